@@ -1,0 +1,75 @@
+"""Token dispatch: moves (token, slot) rows to the experts that own them and back.
+
+A dispatcher is the seam between the MoE block and a transport. `LocalDispatcher` keeps
+every expert on this device; the all-to-all dispatcher lives in `moe_kernels.all_to_all`, and
+other transports (row-wise NVSHMEM) implement the same two calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from moe_kernels.permute import combine, permute
+from moe_kernels.route_map import RouteMap
+
+
+class PayloadCodec(Protocol):
+    """Hook to change what travels in dispatch (e.g. MXFP8 rows). Identity by default."""
+
+    def encode(self, rows: torch.Tensor) -> Any: ...
+
+    def decode(self, payload: Any) -> torch.Tensor: ...
+
+
+class IdentityCodec:
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows
+
+    def decode(self, payload: torch.Tensor) -> torch.Tensor:
+        return payload
+
+
+@dataclass
+class DispatchResult:
+    """Rows for this rank's local experts, in local-expert order.
+
+    rows:     [N_local, d]
+    offsets:  [E_local] int32 cumulative row ends over the local experts
+    context:  whatever the transport needs to send the rows back
+    dropped:  0-dim int tensor: rows dropped by a capacity limit (0 when dropless)
+    """
+
+    rows: torch.Tensor
+    offsets: torch.Tensor
+    context: Any
+    dropped: torch.Tensor
+
+
+class TokenDispatcher(Protocol):
+    num_local_experts: int
+
+    def dispatch(self, x: torch.Tensor, route_map: RouteMap) -> DispatchResult: ...
+
+    def combine(self, expert_out: torch.Tensor, result: DispatchResult, weights: torch.Tensor) -> torch.Tensor: ...
+
+
+class LocalDispatcher:
+    """All experts on this device: dispatch is a permute, combine is the weighted sum."""
+
+    def __init__(self, num_experts: int, codec: PayloadCodec | None = None):
+        self.num_local_experts = num_experts
+        self.codec = codec or IdentityCodec()
+
+    def dispatch(self, x: torch.Tensor, route_map: RouteMap) -> DispatchResult:
+        if route_map.num_experts != self.num_local_experts:
+            raise ValueError(
+                f"route map has {route_map.num_experts} experts, dispatcher holds {self.num_local_experts}"
+            )
+        rows = self.codec.decode(self.codec.encode(permute(x, route_map)))
+        return DispatchResult(rows, route_map.offsets, route_map, torch.zeros((), dtype=torch.int64, device=x.device))
+
+    def combine(self, expert_out: torch.Tensor, result: DispatchResult, weights: torch.Tensor) -> torch.Tensor:
+        return combine(expert_out, result.context, weights)

@@ -1,0 +1,73 @@
+"""Grouped GEMM over exact per-expert row counts (no padding).
+
+x: [N, K] rows in expert order, w: [E, K, M], offsets: [E] int32 cumulative row ends -> [N, M].
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+GemmBackend = Literal["auto", "torch", "reference"]
+
+
+def grouped_gemm_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Per-expert loop. Reads the offsets back to the host: a reference, not a fast path."""
+    ends = offsets.tolist()
+    outs = []
+    start = 0
+    for e, end in enumerate(ends):
+        outs.append(x[start:end] @ w[e])
+        start = end
+    if start != x.shape[0]:
+        raise ValueError(f"offsets end at {start} but x has {x.shape[0]} rows")
+    return torch.cat(outs, dim=0) if outs else x.new_zeros(0, w.shape[-1])
+
+
+def torch_grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch's grouped_mm kernel handles these operands on their device."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cuda":
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0):
+            return False
+        # rows of 16-byte multiples are required by the CUDA kernel
+        return (x.shape[1] * x.element_size()) % 16 == 0 and (w.shape[-1] * w.element_size()) % 16 == 0
+    if x.device.type == "cpu":
+        return x.dtype == torch.float32
+    return False
+
+
+def _contiguous_grad(grad: torch.Tensor) -> torch.Tensor:
+    return grad.contiguous()
+
+
+def grouped_gemm_torch(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    out = torch._grouped_mm(x.contiguous(), w, offs=offsets)
+    if out.requires_grad:
+        out.register_hook(_contiguous_grad)
+    return out
+
+
+def grouped_gemm(
+    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, backend: GemmBackend = "auto"
+) -> torch.Tensor:
+    """x: [N, K], w: [E, K, M], offsets: [E] int32 -> [N, M]. Autograd flows to x and w."""
+    if x.dim() != 2 or w.dim() != 3:
+        raise ValueError(f"expected x [N, K] and w [E, K, M], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"x has K={x.shape[1]} but w has K={w.shape[1]}")
+    if offsets.shape != (w.shape[0],):
+        raise ValueError(f"offsets shape {tuple(offsets.shape)} != (num_experts,)=({w.shape[0]},)")
+    if backend == "reference":
+        return grouped_gemm_reference(x, w, offsets)
+    if backend == "torch":
+        if not torch_grouped_mm_supported(x, w):
+            raise ValueError(f"torch grouped_mm does not support dtype={x.dtype} on device={x.device}")
+        return grouped_gemm_torch(x, w, offsets)
+    if backend == "auto":
+        if torch_grouped_mm_supported(x, w):
+            return grouped_gemm_torch(x, w, offsets)
+        return grouped_gemm_reference(x, w, offsets)
+    raise ValueError(f"backend={backend!r} is not one of 'auto', 'torch', 'reference'")

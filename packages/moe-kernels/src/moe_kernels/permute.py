@@ -1,0 +1,34 @@
+"""Permute token rows into expert order and combine them back with the router weights."""
+
+from __future__ import annotations
+
+import torch
+
+from moe_kernels.route_map import RouteMap
+
+
+def permute(x: torch.Tensor, route_map: RouteMap) -> torch.Tensor:
+    """Gather token rows into expert order.
+
+    x: [T, d] -> [T*k, d]; row r is x[route_map.source_token[r]].
+    """
+    if x.shape[0] != route_map.num_tokens:
+        raise ValueError(f"x has {x.shape[0]} rows but the route map was built for {route_map.num_tokens} tokens")
+    return x.index_select(0, route_map.source_token)
+
+
+def combine(expert_out: torch.Tensor, route_map: RouteMap, weights: torch.Tensor) -> torch.Tensor:
+    """Sum each token's k expert rows, scaled by its router weights, accumulating in fp32.
+
+    expert_out: [T*k, d] in expert order; weights: [T, k] -> [T, d] in expert_out's dtype.
+    """
+    if expert_out.shape[0] != route_map.num_rows:
+        raise ValueError(f"expert_out has {expert_out.shape[0]} rows, expected T*k={route_map.num_rows}")
+    if tuple(weights.shape) != (route_map.num_tokens, route_map.top_k):
+        raise ValueError(
+            f"weights shape {tuple(weights.shape)} != (T, k)=({route_map.num_tokens}, {route_map.top_k})"
+        )
+    rows = expert_out.index_select(0, route_map.dest_row).view(route_map.num_tokens, route_map.top_k, -1)
+    acc = torch.promote_types(expert_out.dtype, torch.float32)
+    out = torch.einsum("tkd,tk->td", rows.to(acc), weights.to(acc))
+    return out.to(expert_out.dtype)

@@ -1,0 +1,80 @@
+"""Routing metadata built on the device from top-k expert ids, with no host synchronisation.
+
+Flat index convention: the (token t, slot s) pair of a [T, k] routing is flat row t*k + s.
+"Sorted" rows are those flat rows grouped by expert (stable within an expert).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RouteMap:
+    """Where every (token, slot) row goes and how many rows each expert gets.
+
+    num_tokens, top_k, num_experts: plain ints known on the host (shapes, not data).
+    counts:     [E] int32 rows per expert.
+    offsets:    [E] int32 cumulative row ends (the `offs` of torch's grouped_mm).
+    sort_order: [T*k] int64 flat (token, slot) index of each expert-sorted row.
+    dest_row:   [T*k] int64 expert-sorted row of each flat (token, slot) index (inverse of sort_order).
+    """
+
+    num_tokens: int
+    top_k: int
+    num_experts: int
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    sort_order: torch.Tensor
+    dest_row: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_tokens * self.top_k
+
+    @property
+    def source_token(self) -> torch.Tensor:
+        """[T*k] int64 token index of each expert-sorted row."""
+        return torch.div(self.sort_order, self.top_k, rounding_mode="floor")
+
+    @property
+    def starts(self) -> torch.Tensor:
+        """[E] int32 first row of each expert."""
+        return self.offsets - self.counts
+
+    def rank_counts(self, ep_size: int) -> torch.Tensor:
+        """[ep] int32 rows destined to each expert-parallel rank (experts split contiguously)."""
+        if self.num_experts % ep_size != 0:
+            raise ValueError(f"num_experts={self.num_experts} is not divisible by ep_size={ep_size}")
+        return self.counts.view(ep_size, self.num_experts // ep_size).sum(dim=1, dtype=torch.int32)
+
+
+def build_route_map(expert_ids: torch.Tensor, num_experts: int) -> RouteMap:
+    """Build the route map from top-k expert ids.
+
+    expert_ids: [T, k] integer, values in [0, num_experts). Stays on its device; nothing is read back.
+    """
+    if expert_ids.dim() != 2:
+        raise ValueError(f"expert_ids must be [T, k], got shape {tuple(expert_ids.shape)}")
+    if num_experts <= 0:
+        raise ValueError(f"num_experts={num_experts} must be positive")
+    num_tokens, top_k = expert_ids.shape
+    flat = expert_ids.reshape(-1).to(torch.int64)
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    _, sort_order = torch.sort(flat, stable=True)
+    dest_row = torch.empty_like(sort_order)
+    dest_row.scatter_(0, sort_order, torch.arange(flat.numel(), device=device, dtype=torch.int64))
+    return RouteMap(
+        num_tokens=num_tokens,
+        top_k=top_k,
+        num_experts=num_experts,
+        counts=counts,
+        offsets=offsets,
+        sort_order=sort_order,
+        dest_row=dest_row,
+    )
