@@ -1,1 +1,7 @@
-"""moe-precision."""
+"""moe-precision: number-format recipes for the MoE stack's linear and expert modules."""
+
+from moe_precision.recipe import KNOWN_RECIPES, PLANNED_RECIPES, PrecisionRecipe
+
+__version__ = "0.1.0"
+
+__all__ = ["PrecisionRecipe", "KNOWN_RECIPES", "PLANNED_RECIPES"]

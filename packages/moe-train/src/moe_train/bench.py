@@ -1,0 +1,67 @@
+"""`moe-train bench`: N training steps of a preset on synthetic tokens, reported as JSON."""
+
+from __future__ import annotations
+
+import platform
+import time
+from typing import Any
+
+import torch
+
+from moe_train.config import Config
+from moe_train.model import Transformer, count_params, flops_per_token
+from moe_train.trainer.loop import pick_device
+from moe_train.trainer.mfu import peak_tflops
+from moe_train.trainer.schedule import param_groups
+
+
+def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
+    """Time `steps` optimizer steps after `warmup`; routing as configured (presets use random routing)."""
+    t, m = cfg.train, cfg.model
+    device = pick_device(t.device)
+    torch.manual_seed(t.seed)
+    model = Transformer(m).to(device)
+    opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
+                            foreach=device.type == "cuda")
+    seq, mb = cfg.data.seq_len, t.micro_batch_size
+    amp = device.type == "cuda" and t.autocast_bf16
+    g = torch.Generator(device="cpu").manual_seed(t.seed)
+    batches = [torch.randint(0, m.vocab_size, (mb, seq + 1), generator=g) for _ in range(4)]
+
+    def one_step(i: int) -> float:
+        for micro in range(t.grad_accum):
+            b = batches[(i * t.grad_accum + micro) % len(batches)].to(device)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+                ce, aux = model.loss(b[:, :-1], b[:, 1:])
+            ((ce + aux) / t.grad_accum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(ce.detach())
+
+    for i in range(warmup):
+        one_step(i)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    loss = 0.0
+    for i in range(steps):
+        loss = one_step(warmup + i)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    tokens = steps * t.grad_accum * mb * seq
+    tps = tokens / elapsed
+    fpt = flops_per_token(m, seq)
+    peak = peak_tflops(device)
+    counts = count_params(m)
+    return {
+        "preset": cfg.preset, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "steps": steps, "warmup": warmup, "tokens_per_step": tokens // steps,
+        "step_ms": elapsed / steps * 1e3, "tokens_per_s": tps, "model_tflops": fpt * tps / 1e12,
+        "mfu": (fpt * tps / 1e12 / peak) if peak else None, "peak_tflops_bf16": peak,
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "params_total": counts.total, "params_active": counts.active, "flops_per_token": fpt,
+        "routing": m.router.routing, "final_loss": loss,
+    }

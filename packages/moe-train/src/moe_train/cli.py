@@ -1,0 +1,107 @@
+"""The `moe-train` command line: train, prepare-data, info, bench.
+
+Config errors and data errors exit with status 2 and one line naming the field and what was expected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from moe_train.config import ConfigError
+from moe_train.config_io import build_config, parse_overrides
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moe-train", description="Train sparse MoE language models.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, help_ in (("train", "train a model (no arguments: the embedded default)"),
+                        ("info", "parameter counts, FLOPs per token and the resolved config"),
+                        ("bench", "N training steps on synthetic tokens, reported as JSON")):
+        s = sub.add_parser(name, help=help_)
+        s.add_argument("--preset", default=None, help="named preset (default: tiny)")
+        s.add_argument("--config", default=None, help="YAML file of overrides")
+        if name == "bench":
+            s.add_argument("--steps", type=int, default=5)
+            s.add_argument("--warmup", type=int, default=2)
+            s.add_argument("--out", default=None, help="also write the JSON here")
+    s = sub.add_parser("prepare-data", help="tokenize text files into a data folder")
+    s.add_argument("inputs", nargs="*", help="text files or folders (default: the Python standard library)")
+    s.add_argument("--out", required=True)
+    s.add_argument("--vocab-size", type=int, default=4096)
+    s.add_argument("--tokenizer", default=None, help="an existing tokenizer.json instead of training a BPE")
+    s.add_argument("--max-bytes", type=int, default=4_000_000, help="for the default corpus")
+    return p
+
+
+def _cmd_train(cfg) -> None:
+    from moe_train.trainer.loop import Trainer
+
+    summary = Trainer(cfg).train()
+    print(json.dumps(summary))
+
+
+def _cmd_info(cfg) -> None:
+    from moe_train.model import count_params, flops_per_token
+
+    c = count_params(cfg.model)
+    print(json.dumps({"preset": cfg.preset, "params_total": c.total, "params_active": c.active,
+                      "params_embedding": c.embedding,
+                      "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len), "config": cfg.to_dict()},
+                     indent=2))
+
+
+def _cmd_bench(cfg, args) -> None:
+    from moe_train.bench import run_bench
+
+    result = run_bench(cfg, args.steps, args.warmup)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+def _cmd_prepare(args) -> None:
+    from moe_train.data import prepare_data, stdlib_documents, text_file_documents
+
+    if args.inputs:
+        docs, source = list(text_file_documents(args.inputs)), ",".join(args.inputs)
+    else:
+        docs, source = list(stdlib_documents(args.max_bytes)), "python-stdlib"
+    out = prepare_data(docs, args.out, vocab_size=args.vocab_size, tokenizer_path=args.tokenizer, source=source)
+    print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args, rest = _parser().parse_known_args(argv)
+    try:
+        if args.command == "prepare-data":
+            if rest:
+                raise ConfigError(f"unknown arguments {rest}")
+            _cmd_prepare(args)
+            return 0
+        cfg = build_config(args.preset, args.config, parse_overrides(rest))
+        if args.command == "train":
+            _cmd_train(cfg)
+        elif args.command == "info":
+            _cmd_info(cfg)
+        else:
+            _cmd_bench(cfg, args)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"moe-train: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        from moe_train.data import DataError
+
+        if isinstance(e, DataError):
+            print(f"moe-train: error: {e}", file=sys.stderr)
+            return 2
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""Configuration dataclasses, validated before any work starts.
+
+A run's config is `Config`; presets (presets.py) give named starting points, YAML files and
+dotted overrides (`--model.num_experts=64`) change fields. Every check raises `ConfigError`
+naming the field, the bad value and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config value is invalid; the message names the field and what was expected."""
+
+
+@dataclass
+class RouterConfig:
+    gating: str = "softmax"  # softmax | sigmoid
+    top_k: int = 2
+    normalize_top_k: bool = True  # renormalise the k selected weights to sum to 1
+    routing: str = "learned"  # learned | random | uniform (random/uniform: system benchmarks)
+    lb_loss_weight: float = 0.01
+    lb_loss_scope: str = "micro_batch"  # micro_batch | global (global: counts summed over the data-parallel group)
+    z_loss_weight: float = 0.001
+    expert_bias: bool = False  # auxiliary-loss-free balancing bias (selection only)
+    expert_bias_rate: float = 0.001
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 4096
+    d_model: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int | None = None  # default d_model // num_heads
+    qk_norm: bool = False
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-6
+    dense_hidden: int = 512  # hidden size of dense SwiGLU layers
+    dense_layers: list[int] = field(default_factory=list)  # indices of dense layers when num_experts > 0
+    num_experts: int = 8  # 0 = a dense model
+    expert_hidden: int = 128
+    shared_expert_hidden: int = 0  # 0 = no shared expert
+    router: RouterConfig = field(default_factory=RouterConfig)
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    gemm_backend: str = "auto"  # moe-kernels backend: auto | torch | reference | triton
+    precision: str = "bf16"  # moe-precision recipe
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.num_experts > 0 and index not in self.dense_layers
+
+
+@dataclass
+class DataConfig:
+    path: str = "default"  # "default" = the embedded corpus, else a folder prepared by `prepare-data`
+    cache_dir: str = "data"  # where the embedded corpus is tokenized once and kept
+    seq_len: int = 128
+    seed: int = 0
+    eval_fraction: float = 0.02
+    default_vocab_size: int = 4096  # BPE vocab trained for the embedded corpus
+    default_max_bytes: int = 4_000_000  # how much of the embedded corpus to tokenize
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    micro_batch_size: int = 8  # sequences per micro-batch per rank
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_interval: int = 50
+    eval_batches: int = 4
+    log_interval: int = 10
+    save_interval: int = 100
+    keep_last: int = 2
+    run_dir: str = "runs/default"
+    resume: bool = True  # continue from run_dir's latest checkpoint when one exists
+    device: str = "auto"  # auto | cpu | cuda
+    autocast_bf16: bool = True  # bf16 autocast on GPU (never on CPU)
+    progress: bool = True
+    compile: bool = False
+    threads: int = 0  # torch CPU threads; 0 = leave torch's default
+    max_skipped_steps: int = 10  # consecutive non-finite steps before the run stops with an error
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 1
+    ep: int = 1
+    pp: int = 1
+    backend: str = "auto"  # auto | gloo | nccl
+    strategy: str = "ddp"  # ddp (resident weights) | fsdp (FSDP2 baseline)
+    distributed_optimizer: bool = True
+    fp32_grad_accum: bool = True
+    expert_capacity_factor: float = 0.0  # 0 = dropless
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    preset: str = "tiny"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check(cond: bool, name: str, value: Any, expected: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name}={value!r}: expected {expected}")
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    _check(value in choices, name, value, f"one of {', '.join(choices)}")
+
+
+def validate(cfg: Config) -> Config:
+    """Raise ConfigError on the first invalid field; return cfg unchanged when valid."""
+    m, r, d, t, p = cfg.model, cfg.model.router, cfg.data, cfg.train, cfg.parallel
+    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "dense_hidden"):
+        _check(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "a positive integer")
+    _check(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads", m.num_kv_heads,
+           f"a divisor of model.num_heads={m.num_heads}")
+    if m.head_dim is None:
+        _check(m.d_model % m.num_heads == 0, "model.num_heads", m.num_heads,
+               f"a divisor of model.d_model={m.d_model} (or set model.head_dim)")
+    _check(m.resolved_head_dim % 2 == 0, "model.head_dim", m.resolved_head_dim, "an even number (RoPE rotates pairs)")
+    _check(m.num_experts >= 0, "model.num_experts", m.num_experts, "0 (dense) or a positive integer")
+    for i in m.dense_layers:
+        _check(0 <= i < m.num_layers, "model.dense_layers", m.dense_layers, f"indices in [0, {m.num_layers})")
+    if m.num_experts > 0:
+        _check(m.expert_hidden > 0, "model.expert_hidden", m.expert_hidden, "a positive integer")
+        _check(1 <= r.top_k <= m.num_experts, "model.router.top_k", r.top_k,
+               f"1 <= top_k <= model.num_experts={m.num_experts}")
+    _check(m.shared_expert_hidden >= 0, "model.shared_expert_hidden", m.shared_expert_hidden, ">= 0")
+    _choice("model.router.gating", r.gating, ("softmax", "sigmoid"))
+    _choice("model.router.routing", r.routing, ("learned", "random", "uniform"))
+    _choice("model.router.lb_loss_scope", r.lb_loss_scope, ("micro_batch", "global"))
+    for name in ("lb_loss_weight", "z_loss_weight", "expert_bias_rate"):
+        _check(getattr(r, name) >= 0, f"model.router.{name}", getattr(r, name), ">= 0")
+    _choice("model.gemm_backend", m.gemm_backend, ("auto", "torch", "reference", "triton"))
+    _choice("model.precision", m.precision, ("bf16",))
+    _check(d.seq_len >= 2, "data.seq_len", d.seq_len, ">= 2")
+    _check(0 < d.eval_fraction < 1, "data.eval_fraction", d.eval_fraction, "in (0, 1)")
+    for name in ("steps", "micro_batch_size", "grad_accum", "eval_batches", "log_interval", "keep_last",
+                 "max_skipped_steps"):
+        _check(getattr(t, name) >= 1, f"train.{name}", getattr(t, name), "a positive integer")
+    _check(t.lr > 0, "train.lr", t.lr, "> 0")
+    _check(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", t.min_lr_ratio, "in [0, 1]")
+    _check(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, ">= 0")
+    _check(t.eval_interval >= 0 and t.save_interval >= 0, "train.eval_interval/save_interval",
+           (t.eval_interval, t.save_interval), ">= 0 (0 disables)")
+    _check(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, ">= 0 (0 disables)")
+    _choice("train.device", t.device, ("auto", "cpu", "cuda"))
+    for name in ("dp", "ep", "pp"):
+        _check(getattr(p, name) >= 1, f"parallel.{name}", getattr(p, name), "a positive integer")
+    _choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
+    _choice("parallel.strategy", p.strategy, ("ddp", "fsdp"))
+    _check(p.pp == 1, "parallel.pp", p.pp, "1 (pipeline parallelism is not built yet)")
+    if p.ep > 1:
+        _check(m.num_experts > 0 and m.num_experts % p.ep == 0, "parallel.ep", p.ep,
+               f"a divisor of model.num_experts={m.num_experts}")
+        _check(p.dp % p.ep == 0, "parallel.ep", p.ep, f"a divisor of parallel.dp={p.dp} (experts fold over data parallelism)")
+    _check(p.expert_capacity_factor == 0 or p.expert_capacity_factor >= 1, "parallel.expert_capacity_factor",
+           p.expert_capacity_factor, "0 (dropless) or >= 1")
+    return cfg

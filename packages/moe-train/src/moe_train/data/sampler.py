@@ -1,0 +1,64 @@
+"""Deterministic, resumable sampling of fixed-length windows from a token stream.
+
+The stream is cut into non-overlapping windows of seq_len + 1 tokens (inputs and shifted targets).
+Epoch e visits the windows in a permutation seeded by (seed, e). The whole position is one
+integer, `samples_seen` (global, over all data-parallel ranks), so resuming is exact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class WindowSampler:
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, shuffle: bool = True):
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.seed = seed
+        self.shuffle = shuffle
+        self.num_windows = (tokens.size - 1) // seq_len
+        if self.num_windows < 1:
+            raise ValueError(f"{tokens.size} tokens are too few for one window of seq_len={seq_len} + 1")
+        self._perm_epoch = -1
+        self._perm = np.arange(self.num_windows)
+        self.samples_seen = 0
+
+    def _window(self, global_index: int) -> np.ndarray:
+        epoch, i = divmod(global_index, self.num_windows)
+        if self.shuffle and epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+            self._perm_epoch = epoch
+        w = int(self._perm[i]) if self.shuffle else i
+        start = w * self.seq_len
+        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
+
+    def next_batch(self, batch_size: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next global batch of world*batch_size windows; this rank's share: inputs, targets [B, S]."""
+        base = self.samples_seen
+        rows = [self._window(base + j * world + rank) for j in range(batch_size)]
+        self.samples_seen += batch_size * world
+        arr = torch.from_numpy(np.stack(rows))
+        return arr[:, :-1].contiguous(), arr[:, 1:].contiguous()
+
+    def state_dict(self) -> dict:
+        return {"samples_seen": self.samples_seen, "seed": self.seed, "seq_len": self.seq_len}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["seq_len"] != self.seq_len:
+            raise ValueError(f"sampler state has seq_len={state['seq_len']}, this run uses {self.seq_len}")
+        self.samples_seen = int(state["samples_seen"])
+        self.seed = int(state["seed"])
+
+
+def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed list of eval batches (the first windows, evenly spread over the split)."""
+    n = (tokens.size - 1) // seq_len
+    want = min(n, batch_size * num_batches)
+    idx = np.linspace(0, n - 1, want).astype(np.int64) if want else np.zeros(0, dtype=np.int64)
+    out = []
+    for b in range(0, want, batch_size):
+        rows = [np.asarray(tokens[i * seq_len : i * seq_len + seq_len + 1], dtype=np.int64) for i in idx[b : b + batch_size]]
+        arr = torch.from_numpy(np.stack(rows))
+        out.append((arr[:, :-1].contiguous(), arr[:, 1:].contiguous()))
+    return out

@@ -1,0 +1,96 @@
+"""Tokenized data on disk: flat uint32 token files (numpy memmap) with document boundaries.
+
+A data folder holds:
+  meta.json            {"format": "moe-train-tokens/1", "vocab_size", "eos_id", "splits": {...}, "tokenizer"}
+  train.u32, eval.u32  raw little-endian uint32 tokens, documents back to back, each ended by eos_id
+                       (no header: np.memmap-compatible like OLMo-core's token .npy files)
+  train.docs.u64, ...  document end offsets (exclusive), one uint64 per document
+  tokenizer.json       the Hugging Face tokenizer that produced the ids
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+FORMAT = "moe-train-tokens/1"
+
+
+class DataError(ValueError):
+    """The data folder is missing, malformed, or incompatible with the model."""
+
+
+@dataclass
+class TokenSplit:
+    tokens: np.ndarray  # [N] uint32 memmap
+    doc_ends: np.ndarray  # [D] uint64
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_split(folder: Path, name: str, docs: list[list[int]], eos_id: int) -> int:
+    """Write one split; returns its token count."""
+    pieces, ends, total = [], [], 0
+    for doc in docs:
+        arr = np.asarray(list(doc) + [eos_id], dtype=np.uint32)
+        pieces.append(arr)
+        total += arr.size
+        ends.append(total)
+    tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint32)
+    _atomic_write_bytes(folder / f"{name}.u32", tokens.astype("<u4").tobytes())
+    _atomic_write_bytes(folder / f"{name}.docs.u64", np.asarray(ends, dtype="<u8").tobytes())
+    return total
+
+
+def write_meta(folder: Path, meta: dict) -> None:
+    _atomic_write_bytes(folder / "meta.json", json.dumps(meta, indent=2).encode())
+
+
+def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, TokenSplit]]:
+    """Open a data folder and check every token id is < vocab_size (the model's)."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise DataError(f"data.path={str(root)!r} does not exist (run `moe-train prepare-data` to make one)")
+    meta_path = root / "meta.json"
+    if not meta_path.is_file():
+        raise DataError(f"data.path={str(root)!r} has no meta.json: expected a folder written by `moe-train prepare-data`")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format") != FORMAT:
+        raise DataError(f"{meta_path}: format={meta.get('format')!r}, expected {FORMAT!r}")
+    splits: dict[str, TokenSplit] = {}
+    for name in ("train", "eval"):
+        tok_path, doc_path = root / f"{name}.u32", root / f"{name}.docs.u64"
+        if not tok_path.is_file():
+            raise DataError(f"missing token file {tok_path}")
+        size = tok_path.stat().st_size
+        if size % 4:
+            raise DataError(f"{tok_path}: size {size} bytes is not a multiple of 4 (uint32 tokens); the file is truncated")
+        tokens = np.memmap(tok_path, dtype="<u4", mode="r") if size else np.zeros(0, dtype=np.uint32)
+        expected = meta.get("splits", {}).get(name, {}).get("num_tokens")
+        if expected is not None and expected != tokens.size:
+            raise DataError(f"{tok_path}: holds {tokens.size} tokens but meta.json says {expected}")
+        doc_ends = np.fromfile(doc_path, dtype="<u8") if doc_path.is_file() else np.array([tokens.size], dtype=np.uint64)
+        if tokens.size:
+            top = int(_chunked_max(tokens))
+            if top >= vocab_size:
+                raise DataError(
+                    f"{tok_path}: token id {top} >= model.vocab_size={vocab_size}; "
+                    f"the data was tokenized with vocab_size={meta.get('vocab_size')}"
+                )
+        splits[name] = TokenSplit(tokens, doc_ends)
+    return meta, splits
+
+
+def _chunked_max(tokens: np.ndarray, chunk: int = 1 << 26) -> int:
+    return max(int(tokens[i : i + chunk].max()) for i in range(0, tokens.size, chunk))

@@ -1,0 +1,43 @@
+"""Grouped-query causal self-attention through scaled_dot_product_attention, optional QK-norm."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_precision import PrecisionRecipe
+from moe_train.config import ModelConfig
+from moe_train.model.layers import RMSNorm, apply_rope
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.resolved_head_dim
+        self.q_proj = recipe.linear(cfg.d_model, self.num_heads * self.head_dim)
+        self.k_proj = recipe.linear(cfg.d_model, self.num_kv_heads * self.head_dim)
+        self.v_proj = recipe.linear(cfg.d_model, self.num_kv_heads * self.head_dim)
+        self.o_proj = recipe.linear(self.num_heads * self.head_dim, cfg.d_model)
+        # QK-norm per head (Qwen3 / OLMoE-style placement is chosen by the exporter; ours is per head).
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, d] -> [B, S, d]."""
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.num_kv_heads != self.num_heads:
+            rep = self.num_heads // self.num_kv_heads
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))

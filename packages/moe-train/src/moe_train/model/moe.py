@@ -1,0 +1,54 @@
+"""The MoE block: router, routed experts behind a token dispatcher, optional shared expert."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moe_kernels import LocalDispatcher, TokenDispatcher, build_route_map, swiglu_experts
+from moe_precision import PrecisionRecipe
+from moe_train.config import ModelConfig
+from moe_train.model.layers import SwiGLU
+from moe_train.model.router import Router
+
+
+class RoutedExperts(nn.Module):
+    """Weights of the experts held on this rank: w_gate_up [E_local, d, 2h] (gate | up), w_down [E_local, h, d]."""
+
+    def __init__(self, num_experts: int, d_model: int, hidden: int):
+        super().__init__()
+        self.w_gate_up = nn.Parameter(torch.empty(num_experts, d_model, 2 * hidden))
+        self.w_down = nn.Parameter(torch.empty(num_experts, hidden, d_model))
+
+
+class MoELayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe):
+        super().__init__()
+        self.num_experts = cfg.num_experts
+        self.gemm_backend = cfg.gemm_backend
+        self.recipe = recipe
+        self.router = Router(cfg.d_model, cfg.num_experts, cfg.router)
+        self.experts = RoutedExperts(cfg.num_experts, cfg.d_model, cfg.expert_hidden)
+        self.shared_expert = (
+            SwiGLU(cfg.d_model, cfg.shared_expert_hidden, recipe) if cfg.shared_expert_hidden > 0 else None
+        )
+        # The transport: local by default; expert parallelism swaps in an all-to-all dispatcher.
+        self.dispatcher: TokenDispatcher = LocalDispatcher(cfg.num_experts)
+        self.last_dropped: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, S, d] -> ([B, S, d], aux loss)."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        routed = self.router(flat)
+        route_map = build_route_map(routed.expert_ids, self.num_experts)
+        dtype = self.recipe.expert_gemm_dtype(flat)
+        result = self.dispatcher.dispatch(flat.to(dtype), route_map)
+        w1 = self.experts.w_gate_up.to(dtype)
+        w2 = self.experts.w_down.to(dtype)
+        expert_out = swiglu_experts(result.rows, w1, w2, result.offsets, self.gemm_backend)
+        out = self.dispatcher.combine(expert_out, result, routed.weights)
+        self.last_dropped = result.dropped
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(flat)
+        return out.reshape(shape).to(x.dtype), routed.aux_loss

@@ -1,0 +1,86 @@
+"""Decoder-only transformer with dense and MoE layers mixed by config."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_precision import PrecisionRecipe
+from moe_train.config import ModelConfig
+from moe_train.model.attention import Attention
+from moe_train.model.layers import RMSNorm, SwiGLU, rope_tables
+from moe_train.model.moe import MoELayer
+from moe_train.model.router import Router
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, recipe: PrecisionRecipe):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, recipe)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.is_moe = cfg.is_moe_layer(index)
+        self.mlp: nn.Module = MoELayer(cfg, recipe) if self.is_moe else SwiGLU(cfg.d_model, cfg.dense_hidden, recipe)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        h = self.mlp_norm(x)
+        if self.is_moe:
+            y, aux = self.mlp(h)
+        else:
+            y, aux = self.mlp(h), x.new_zeros((), dtype=torch.float32)
+        return x + y, aux
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        recipe = PrecisionRecipe(cfg.precision)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, i, recipe) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self._rope_cache: tuple[int, torch.device, torch.Tensor, torch.Tensor] | None = None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std)
+
+    def _rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self._rope_cache
+        if c is None or c[0] < seq_len or c[1] != device:
+            cos, sin = rope_tables(seq_len, self.cfg.resolved_head_dim, self.cfg.rope_theta, device)
+            self._rope_cache = c = (seq_len, device, cos, sin)
+        return c[2][:seq_len], c[3][:seq_len]
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens: [B, S] int64 -> (logits [B, S, V], summed router aux loss)."""
+        x = self.embed(tokens)
+        cos, sin = self._rope(tokens.shape[1], tokens.device)
+        aux = torch.zeros((), device=tokens.device, dtype=torch.float32)
+        for block in self.blocks:
+            x, a = block(x, cos, sin)
+            aux = aux + a
+        return self.lm_head(self.norm(x)), aux
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean next-token cross-entropy (fp32) and the router aux loss."""
+        logits, aux = self(tokens)
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return ce, aux
+
+    def routers(self) -> list[tuple[int, Router]]:
+        return [(i, b.mlp.router) for i, b in enumerate(self.blocks) if b.is_moe]
+
+    def moe_layers(self) -> list[MoELayer]:
+        return [b.mlp for b in self.blocks if b.is_moe]

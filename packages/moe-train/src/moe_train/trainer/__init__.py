@@ -1,0 +1,1 @@
+"""The trainer: loop, runtime seam, schedule, metrics and checkpoints."""

@@ -1,0 +1,26 @@
+"""Resolve the data folder a run trains on, preparing the embedded corpus on first use."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from moe_train.config import DataConfig
+from moe_train.data import prepare_data, stdlib_documents
+
+
+def default_data_dir(cfg: DataConfig) -> Path:
+    py = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return Path(cfg.cache_dir) / f"stdlib-{py}-v{cfg.default_vocab_size}-b{cfg.default_max_bytes}"
+
+
+def resolve_data_dir(cfg: DataConfig, is_main: bool) -> Path:
+    """The folder to read. For "default", rank 0 tokenizes the stdlib once (others wait at a barrier)."""
+    if cfg.path != "default":
+        return Path(cfg.path)
+    folder = default_data_dir(cfg)
+    if is_main and not (folder / "meta.json").is_file():
+        docs = list(stdlib_documents(cfg.default_max_bytes))
+        prepare_data(docs, folder, vocab_size=cfg.default_vocab_size, eval_fraction=cfg.eval_fraction,
+                     source="python-stdlib")
+    return folder

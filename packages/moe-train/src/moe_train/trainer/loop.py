@@ -1,0 +1,202 @@
+"""The training loop: micro-batches, accumulation, the optimizer step, eval, logging, checkpoints."""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from moe_train.config import Config, ConfigError, validate
+from moe_train.data import WindowSampler, eval_batches, open_data
+from moe_train.model import Transformer, count_params, flops_per_token
+from moe_train.trainer import checkpoint as ckpt
+from moe_train.trainer.data_setup import resolve_data_dir
+from moe_train.trainer.metrics import MetricsLog, peak_memory_gib, router_health
+from moe_train.trainer.mfu import peak_tflops
+from moe_train.trainer.runtime import Runtime
+from moe_train.trainer.runtime_factory import make_runtime
+from moe_train.trainer.schedule import lr_at
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device='cuda': expected a visible CUDA GPU, found none")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, runtime: Runtime | None = None):
+        self.cfg = validate(cfg)
+        t = cfg.train
+        if t.threads > 0:
+            torch.set_num_threads(t.threads)
+        self.runtime = runtime or make_runtime(cfg, pick_device(t.device))
+        rt = self.runtime
+        self.device = rt.device
+        self.is_main = rt.rank == 0
+        data_dir = resolve_data_dir(cfg.data, self.is_main)
+        rt.barrier()
+        self.meta, splits = open_data(data_dir, cfg.model.vocab_size)
+        self.sampler = WindowSampler(splits["train"].tokens, cfg.data.seq_len, cfg.data.seed)
+        self.eval_data = eval_batches(splits["eval"].tokens, cfg.data.seq_len, t.micro_batch_size, t.eval_batches)
+        torch.manual_seed(t.seed)
+        self.model = rt.setup(Transformer(cfg.model))
+        self.run_dir = Path(t.run_dir)
+        self.log = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.is_main)
+        self.step = 0
+        self.skipped_steps = 0
+        self.consecutive_skips = 0
+        self.autocast = self.device.type == "cuda" and t.autocast_bf16
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.peak = peak_tflops(self.device)
+
+    # -- pieces -----------------------------------------------------------------------------
+    def _amp(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else nullcontext()
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for x, y in self.eval_data:
+            with self._amp():
+                ce, _ = self.model.loss(x.to(self.device), y.to(self.device))
+            total += ce.float()
+        self.model.train()
+        return float(total) / max(1, len(self.eval_data))
+
+    def _train_step(self) -> dict[str, float]:
+        t, rt = self.cfg.train, self.runtime
+        ce_sum = torch.zeros((), device=self.device)
+        aux_sum = torch.zeros((), device=self.device)
+        for micro in range(t.grad_accum):
+            x, y = self.sampler.next_batch(t.micro_batch_size, rt.dp_rank, rt.dp_size)
+            with self._amp():
+                ce, aux = self.model.loss(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+            rt.backward((ce + aux) / t.grad_accum, last_micro_batch=micro == t.grad_accum - 1)
+            ce_sum += ce.detach().float()
+            aux_sum += aux.detach().float()
+        lr = lr_at(self.step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
+        result = rt.step(lr)
+        self._update_expert_bias()
+        stats = rt.all_reduce_sum(torch.stack([ce_sum, aux_sum]) / (t.grad_accum * rt.dp_size)).tolist()
+        if result.skipped or not math.isfinite(stats[0]):
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+            if self.consecutive_skips >= t.max_skipped_steps:
+                raise TrainingError(
+                    f"loss={stats[0]} / grad_norm={result.grad_norm} non-finite for {self.consecutive_skips} "
+                    f"consecutive steps (step {self.step}); train.max_skipped_steps={t.max_skipped_steps}"
+                )
+        else:
+            self.consecutive_skips = 0
+        return {"loss": stats[0], "aux_loss": stats[1], "lr": lr, "grad_norm": result.grad_norm,
+                "skipped": float(result.skipped)}
+
+    def _update_expert_bias(self) -> None:
+        for _, router in self.model.routers():
+            router.update_expert_bias(self.runtime.all_reduce_sum(router.step_load.clone()))
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "skipped_steps": self.skipped_steps, "sampler": self.sampler.state_dict(),
+            "config": self.cfg.to_dict(), "torch_rng": torch.get_rng_state().tolist(),
+            "cuda_rng": torch.cuda.get_rng_state().tolist() if self.device.type == "cuda" else None,
+        }
+
+    def save(self) -> Path | None:
+        if self.runtime.world_size != 1:
+            raise TrainingError("local checkpoints support one process; distributed runs use moe-ckpt")
+        return ckpt.save_local(self.run_dir, self.step, self.model.state_dict(), self.runtime.optimizer_state(),
+                               self._state(), self.cfg.train.keep_last)
+
+    def maybe_resume(self) -> bool:
+        path = ckpt.latest_checkpoint(self.run_dir)
+        if path is None or not self.cfg.train.resume:
+            return False
+        model_sd, optim_sd, state = ckpt.load_local(path)
+        saved = state["config"]["model"]
+        now = self.cfg.to_dict()["model"]
+        diff = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+        if diff:
+            raise ckpt.CheckpointError(f"checkpoint {path} was written for a different model: {diff} (saved, now)")
+        self.model.load_state_dict(model_sd)
+        self.runtime.load_optimizer_state(optim_sd)
+        self.step = int(state["step"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.sampler.load_state_dict(state["sampler"])
+        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+        if state.get("cuda_rng") is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(torch.tensor(state["cuda_rng"], dtype=torch.uint8))
+        return True
+
+    # -- the loop ---------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        t, rt = self.cfg.train, self.runtime
+        resumed = self.maybe_resume()
+        counts = count_params(self.cfg.model)
+        if self.is_main:
+            self.log.write({"event": "start", "resumed_from_step": self.step if resumed else None,
+                            "params_total": counts.total, "params_active": counts.active,
+                            "flops_per_token": self.flops_per_token, "world_size": rt.world_size,
+                            "device": str(self.device)})
+        first_eval = None
+        if not resumed and t.eval_interval > 0:
+            first_eval = self.evaluate()
+            self.log.write({"step": 0, "eval_loss": first_eval})
+        tokens_per_step = t.micro_batch_size * t.grad_accum * rt.dp_size * self.cfg.data.seq_len
+        bar = tqdm(total=t.steps, initial=self.step, disable=not (self.is_main and t.progress), unit="step",
+                   dynamic_ncols=True, mininterval=1.0)
+        last_eval = first_eval
+        window_start, window_tokens = time.perf_counter(), 0
+        record: dict[str, Any] = {}
+        while self.step < t.steps:
+            record = self._train_step()
+            self.step += 1
+            window_tokens += tokens_per_step
+            bar.update(1)
+            if self.step % t.log_interval == 0 or self.step == t.steps:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - window_start
+                tps = window_tokens / max(elapsed, 1e-9)
+                record.update({"step": self.step, "tokens_per_s": tps, "skipped_steps": self.skipped_steps,
+                               "model_tflops_per_gpu": self.flops_per_token * tps / rt.world_size / 1e12})
+                if self.peak:
+                    record["mfu"] = record["model_tflops_per_gpu"] / self.peak
+                mem = peak_memory_gib(self.device)
+                if mem is not None:
+                    record["peak_mem_gib"] = mem
+                dropped = [float(m.last_dropped) for m in self.model.moe_layers() if m.last_dropped is not None]
+                record["dropped_rows"] = sum(dropped)
+                record["router"] = router_health(self.model)
+                self.log.write(record)
+                post = {"loss": f"{record['loss']:.3f}", "tok/s": f"{tps:,.0f}"}
+                if "mfu" in record:
+                    post["mfu"] = f"{record['mfu']:.1%}"
+                bar.set_postfix(post)
+                window_start, window_tokens = time.perf_counter(), 0
+            if t.eval_interval > 0 and (self.step % t.eval_interval == 0 or self.step == t.steps):
+                last_eval = self.evaluate()
+                self.log.write({"step": self.step, "eval_loss": last_eval})
+                bar.write(f"step {self.step}: eval loss {last_eval:.4f}") if self.is_main and t.progress else None
+            if t.save_interval > 0 and (self.step % t.save_interval == 0 or self.step == t.steps):
+                self.save()
+        bar.close()
+        summary = {"step": self.step, "first_eval_loss": first_eval, "last_eval_loss": last_eval,
+                   "last_loss": record.get("loss"), "skipped_steps": self.skipped_steps}
+        self.log.write({"event": "end", **summary})
+        rt.close()
+        return summary

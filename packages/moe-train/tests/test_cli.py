@@ -1,0 +1,53 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moe_train.cli import main
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "moe_train", *args], capture_output=True, text=True, cwd=cwd)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["train", "--model.router.top_k=99"], "model.router.top_k=99: expected 1 <= top_k <= model.num_experts=8"),
+    (["train", "--model.num_kv_heads=3"], "model.num_kv_heads=3: expected a divisor of model.num_heads=4"),
+    (["train", "--preset", "nope"], "preset='nope': expected one of"),
+    (["info", "--model.vocab=3"], "unknown config key 'model.vocab'"),
+    (["train", "--data.path=/does/not/exist"], "data.path='/does/not/exist' does not exist"),
+])
+def test_bad_input_exits_nonzero_with_one_line(args, message, tmp_path):
+    r = run_cli(*args, f"--train.run_dir={tmp_path}/run", cwd=tmp_path)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_token_ids_beyond_vocab_in_data_exit_nonzero(tmp_path, data_dir):
+    r = run_cli("train", f"--data.path={data_dir}", "--model.vocab_size=100", f"--train.run_dir={tmp_path}/r", cwd=tmp_path)
+    assert r.returncode == 2 and "token id" in r.stderr and "model.vocab_size=100" in r.stderr
+
+
+def test_info_reports_counts_for_the_olmo3_preset(capsys):
+    assert main(["info", "--preset", "olmo3-bench-e64"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 23.8e9 < out["params_total"] < 24.8e9 and out["flops_per_token"] > 6 * 3e9
+
+
+def test_bench_reports_json_on_cpu(capsys):
+    assert main(["bench", "--steps", "1", "--warmup", "1", "--model.num_layers=2", "--data.seq_len=32",
+                 "--train.micro_batch_size=2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens_per_s"] > 0 and out["mfu"] is None and out["model_tflops"] > 0
+
+
+def test_prepare_data_command(tmp_path):
+    src = tmp_path / "txt"
+    src.mkdir()
+    (src / "a.txt").write_text("hello world. " * 200)
+    (src / "b.txt").write_text("goodbye moon. " * 200)
+    r = run_cli("prepare-data", str(src), "--out", str(tmp_path / "d"), "--vocab-size", "300")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "d" / "meta.json").read_text())["vocab_size"] <= 300

@@ -1,0 +1,58 @@
+import json
+
+import numpy as np
+import pytest
+
+from moe_train.data import DataError, WindowSampler, open_data, prepare_data
+
+
+def test_prepare_writes_uint32_tokens_with_document_boundaries(data_dir):
+    meta, splits = open_data(data_dir, 512)
+    train = splits["train"]
+    assert train.tokens.dtype == np.uint32 and train.tokens.size == meta["splits"]["train"]["num_tokens"]
+    ends = train.doc_ends.astype(np.int64)
+    assert ends[-1] == train.tokens.size and np.all(np.diff(ends) > 0)
+    assert np.all(train.tokens[ends - 1] == meta["eos_id"])
+    assert (data_dir / "tokenizer.json").is_file()
+
+
+def test_token_ids_beyond_model_vocab_are_refused(data_dir):
+    with pytest.raises(DataError, match=r"token id \d+ >= model.vocab_size=100"):
+        open_data(data_dir, 100)
+
+
+def test_truncated_or_missing_data_is_refused(tmp_path, data_dir):
+    with pytest.raises(DataError, match="does not exist"):
+        open_data(tmp_path / "nope", 512)
+    raw = (data_dir / "train.u32").read_bytes()
+    (data_dir / "train.u32").write_bytes(raw[:-2])
+    with pytest.raises(DataError, match="not a multiple of 4"):
+        open_data(data_dir, 512)
+
+
+def test_sampler_is_deterministic_and_resumes_exactly():
+    tokens = np.arange(1000, dtype=np.uint32)
+    a = WindowSampler(tokens, 16, seed=3)
+    first = [a.next_batch(4) for _ in range(5)]
+    b = WindowSampler(tokens, 16, seed=3)
+    b.next_batch(4), b.next_batch(4)
+    c = WindowSampler(tokens, 16, seed=3)
+    c.load_state_dict(json.loads(json.dumps(b.state_dict())))
+    for want in first[2:]:
+        got = c.next_batch(4)
+        assert all(np.array_equal(w, g) for w, g in zip(want, got))
+    x, y = first[0]
+    assert np.array_equal(x[:, 1:], y[:, :-1])
+
+
+def test_sampler_ranks_split_the_global_batch():
+    tokens = np.arange(2000, dtype=np.uint32)
+    whole = WindowSampler(tokens, 10, seed=1).next_batch(6)[0]
+    parts = [WindowSampler(tokens, 10, seed=1).next_batch(3, rank=r, world=2)[0] for r in range(2)]
+    assert sorted(map(tuple, whole.tolist())) == sorted(map(tuple, (parts[0].tolist() + parts[1].tolist())))
+
+
+def test_prepare_with_a_given_tokenizer(tmp_path, data_dir):
+    out = prepare_data(["def f():\n    return 1\n"] * 5, tmp_path / "d2", tokenizer_path=str(data_dir / "tokenizer.json"))
+    meta, _ = open_data(out, 512)
+    assert meta["vocab_size"] == 512
