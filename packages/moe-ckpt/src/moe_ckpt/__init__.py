@@ -1,1 +1,58 @@
-"""moe-ckpt."""
+"""moe-ckpt: topology-agnostic checkpoints of global tensors.
+
+Each rank hands `save_checkpoint` the pieces it owns (`ShardSpec`: global name,
+global shape, and a `Box` or `FlatRange` of it); any later layout asks for the
+regions it needs (`LoadRequest`) and gets exactly those bytes back.
+"""
+
+from moe_ckpt.async_save import AsyncCheckpointer, SaveStats
+from moe_ckpt.errors import (
+    CheckpointError,
+    ChecksumMismatchError,
+    DtypeMismatchError,
+    IncompleteCheckpointError,
+    LayoutError,
+    MissingShardFileError,
+    ShapeMismatchError,
+    TensorNotFoundError,
+    UncoveredRegionError,
+)
+from moe_ckpt.geometry import Box, FlatRange, Region, even_split, split_flat_buffer
+from moe_ckpt.load import load_checkpoint, load_metadata
+from moe_ckpt.rng import capture_rng_state, restore_rng_state
+from moe_ckpt.run_dir import apply_retention, find_latest, list_checkpoints, step_dir
+from moe_ckpt.save import save_checkpoint
+from moe_ckpt.spec import LoadRequest, ShardSpec
+from moe_ckpt.summary import format_checkpoint, inspect_checkpoint
+
+__all__ = [
+    "AsyncCheckpointer",
+    "Box",
+    "CheckpointError",
+    "ChecksumMismatchError",
+    "DtypeMismatchError",
+    "FlatRange",
+    "IncompleteCheckpointError",
+    "LayoutError",
+    "LoadRequest",
+    "MissingShardFileError",
+    "Region",
+    "SaveStats",
+    "ShapeMismatchError",
+    "ShardSpec",
+    "TensorNotFoundError",
+    "UncoveredRegionError",
+    "apply_retention",
+    "capture_rng_state",
+    "even_split",
+    "find_latest",
+    "format_checkpoint",
+    "inspect_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "load_metadata",
+    "restore_rng_state",
+    "save_checkpoint",
+    "split_flat_buffer",
+    "step_dir",
+]

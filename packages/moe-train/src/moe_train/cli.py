@@ -26,6 +26,16 @@ def _parser() -> argparse.ArgumentParser:
             s.add_argument("--steps", type=int, default=5)
             s.add_argument("--warmup", type=int, default=2)
             s.add_argument("--out", default=None, help="also write the JSON here")
+    s = sub.add_parser("export-hf", help="export a checkpoint to a Hugging Face folder that stock transformers loads")
+    s.add_argument("checkpoint", help="a run folder (its latest checkpoint) or a checkpoint folder")
+    s.add_argument("out")
+    s.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    s.add_argument("--push-to-hub", default=None, metavar="REPO", help="also upload the folder to this Hub repo")
+    s.add_argument("--allow-benchmark-routing", action="store_true",
+                   help="export a random/uniform-routed model's router as a learned one")
+    s = sub.add_parser("import-hf", help="import a Hugging Face folder into our checkpoint format")
+    s.add_argument("folder")
+    s.add_argument("out")
     s = sub.add_parser("prepare-data", help="tokenize text files into a data folder")
     s.add_argument("inputs", nargs="*", help="text files or folders (default: the Python standard library)")
     s.add_argument("--out", required=True)
@@ -74,10 +84,27 @@ def _cmd_prepare(args) -> None:
     print(f"wrote {out}")
 
 
+def _cmd_hf(args) -> None:
+    from moe_train.hf_bridge import export_hf, import_hf
+
+    if args.command == "export-hf":
+        summary = export_hf(args.checkpoint, args.out, dtype=args.dtype, push_to_hub=args.push_to_hub,
+                            allow_benchmark_routing=args.allow_benchmark_routing)
+        print(f"wrote {args.out}: {summary}")
+    else:
+        cfg, _ = import_hf(args.folder, args.out)
+        print(f"wrote {args.out} (preset-free config, {cfg.model.num_layers} layers, {cfg.model.num_experts} experts)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args, rest = _parser().parse_known_args(argv)
     try:
+        if args.command in ("export-hf", "import-hf"):
+            if rest:
+                raise ConfigError(f"unknown arguments {rest}")
+            _cmd_hf(args)
+            return 0
         if args.command == "prepare-data":
             if rest:
                 raise ConfigError(f"unknown arguments {rest}")
@@ -94,9 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moe-train: error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:
+        from moe_ckpt.hf import HFConversionError
         from moe_train.data import DataError
 
-        if isinstance(e, DataError):
+        if isinstance(e, (DataError, HFConversionError)):
             print(f"moe-train: error: {e}", file=sys.stderr)
             return 2
         raise

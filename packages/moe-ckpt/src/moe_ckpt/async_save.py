@@ -1,0 +1,118 @@
+"""AsyncCheckpointer: snapshot to host memory on the caller's thread, write on a background one.
+
+The barrier handed to `save` runs on the background thread. With torch.distributed,
+give it a group of its own (e.g. `g = dist.new_group(backend="gloo")`,
+`barrier=lambda: dist.barrier(group=g)`) so it never interleaves with the training
+loop's collectives on the default group.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moe_ckpt.geometry import describe
+from moe_ckpt.save import save_checkpoint
+from moe_ckpt.spec import ShardSpec
+
+
+@dataclass
+class SaveStats:
+    path: Path
+    bytes: int  # bytes this rank wrote
+    stall_s: float  # time `save` blocked the caller: waiting on the previous save + the snapshot
+    snapshot_s: float  # of which the device/host -> host copy
+    write_s: float  # background time: files, fsync, commit
+
+
+class AsyncCheckpointer:
+    """One save in flight at a time; a new `save` first waits for the previous one.
+
+    reuse_buffers: keep the host snapshot buffers (pinned when the source is on CUDA)
+    between saves so later snapshots allocate nothing; costs one host copy of the
+    rank's state for the life of the object.
+    """
+
+    def __init__(self, reuse_buffers: bool = True) -> None:
+        self.reuse_buffers = reuse_buffers
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._pending: SaveStats | None = None
+        self.last_stats: SaveStats | None = None
+
+    def save(
+        self,
+        path: str | Path,
+        shards: Sequence[ShardSpec],
+        metadata: dict | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        barrier: Callable[[], object] | None = None,
+        **save_kwargs,
+    ) -> None:
+        """Snapshot `shards` now and return; the checkpoint is written in the background.
+
+        Raises the previous background save's error, if it failed. save_kwargs go to
+        save_checkpoint (keep_last_n, update_latest, checksum).
+        """
+        t0 = time.perf_counter()
+        self.wait()
+        meta = json.loads(json.dumps(metadata or {}))  # a private copy, validated as JSON now
+        t1 = time.perf_counter()
+        snap = self._snapshot(shards)
+        t2 = time.perf_counter()
+        stats = SaveStats(Path(path), sum(s.nbytes for s in snap), t2 - t0, t2 - t1, 0.0)
+        self._pending = stats
+
+        def run() -> None:
+            start = time.perf_counter()
+            try:
+                save_checkpoint(path, snap, meta, rank, world_size, barrier, **save_kwargs)
+            except BaseException as e:  # surfaced by the next wait() / save()
+                self._error = e
+            finally:
+                stats.write_s = time.perf_counter() - start
+
+        self._thread = threading.Thread(target=run, name="moe-ckpt-async-save", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> SaveStats | None:
+        """Block until the save in flight (if any) is committed; raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            self.last_stats, self._pending = self._pending, None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+        return self.last_stats
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _snapshot(self, shards: Sequence[ShardSpec]) -> list[ShardSpec]:
+        out, on_cuda = [], False
+        for s in shards:
+            if not s.writer:
+                continue
+            src = s.tensor.detach()
+            key = f"{s.name}{describe(s.region)}"
+            buf = self._buffers.get(key)
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
+                if self.reuse_buffers:
+                    self._buffers[key] = buf
+            buf.copy_(src, non_blocking=src.is_cuda)
+            on_cuda |= src.is_cuda
+            out.append(ShardSpec(s.name, s.global_shape, buf, s.region, True))
+        if on_cuda:
+            torch.cuda.synchronize()
+        return out

@@ -1,0 +1,39 @@
+"""Errors raised on save and load; all are `CheckpointError`s and name the offending value."""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class: the checkpoint (or the request against it) is not what was expected."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """The directory is not a committed checkpoint (no index.json, or a `.tmp` leftover)."""
+
+
+class MissingShardFileError(CheckpointError):
+    """A shard file named in index.json is absent."""
+
+
+class ChecksumMismatchError(CheckpointError):
+    """A shard file's size or checksum differs from index.json (corrupt or truncated)."""
+
+
+class TensorNotFoundError(CheckpointError):
+    """A requested tensor is not in the checkpoint."""
+
+
+class ShapeMismatchError(CheckpointError):
+    """A requested global shape differs from the saved one."""
+
+
+class DtypeMismatchError(CheckpointError):
+    """A requested dtype differs from the saved one."""
+
+
+class UncoveredRegionError(CheckpointError):
+    """Part of a requested region is held by no saved piece (a shard is missing)."""
+
+
+class LayoutError(CheckpointError):
+    """The pieces handed to save do not tile their tensors exactly (gaps, overlaps, disagreement)."""

@@ -1,0 +1,149 @@
+"""Write a Hugging Face model folder shard by shard from a tensor source.
+
+The source yields our global tensors by name (a Mapping such as a state_dict, or a callable that
+loads one tensor from a checkpoint). Shards are assigned from the plan's shapes before any tensor
+is read, so at most one shard (in the output dtype) plus the tensor being converted is in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+from safetensors.torch import save_file
+
+from moe_ckpt.hf.layout import Entry, build_plan, to_hf
+from moe_ckpt.hf.spec import ARCH, DTYPES, HFConversionError, choose_model_type, to_hf_config
+
+TensorSource = Union[Mapping[str, torch.Tensor], Callable[[str], torch.Tensor]]
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DEFAULT_SHARD_BYTES = 4 * 2**30
+
+
+@dataclass(frozen=True)
+class ExportSummary:
+    folder: Path
+    architecture: str
+    num_tensors: int
+    total_bytes: int
+    shards: int
+    seconds: float
+
+
+def tensor_getter(source: TensorSource) -> Callable[[str], torch.Tensor]:
+    """A Mapping or a callable -> a callable name -> tensor that raises HFConversionError naming a missing tensor."""
+    def get(name: str) -> torch.Tensor:
+        try:
+            return source[name] if isinstance(source, Mapping) else source(name)
+        except KeyError:
+            raise HFConversionError(f"tensor source has no tensor {name!r}") from None
+    return get
+
+
+def _assign_shards(plan: list[Entry], dtype: str, max_shard_bytes: int) -> tuple[list[int], int]:
+    """Shard index per HF tensor (plan order) and the total byte count."""
+    shard, used, total, out = 0, 0, 0, []
+    for entry in plan:
+        for _, shape in entry.hf:
+            n = torch.Size(shape).numel() * (4 if entry.keep_fp32 or dtype == "fp32" else 2)
+            if used and used + n > max_shard_bytes:
+                shard, used = shard + 1, 0
+            out.append(shard)
+            used += n
+            total += n
+    return out, total
+
+
+def _shard_name(i: int, n: int) -> str:
+    return "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def export_hf_folder(
+    model_config: dict[str, Any],
+    source: TensorSource,
+    out_dir: str | Path,
+    *,
+    dtype: str = "bf16",
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    tokenizer_json: str | Path | None = None,
+    extra_config: dict[str, Any] | None = None,
+    allow_benchmark_routing: bool = False,
+) -> ExportSummary:
+    """Write config.json, model*.safetensors (+ index), generation_config.json and tokenizer files.
+
+    model_config: moe-train's Config.to_dict()["model"]; source: our global tensors by our names.
+    extra_config: max_position_embeddings / bos_token_id / eos_token_id / pad_token_id for config.json.
+    """
+    if dtype not in DTYPES:
+        raise HFConversionError(f"dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
+    start = time.perf_counter()
+    model_type = choose_model_type(model_config, allow_benchmark_routing)
+    hf_config = to_hf_config(model_config, model_type, dtype, extra_config)
+    plan = build_plan(model_config, model_type)
+    shard_of, total = _assign_shards(plan, dtype, max_shard_bytes)
+    n_shards = shard_of[-1] + 1
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("model*.safetensors*"):
+        stale.unlink()
+
+    get, weight_map, pending, current, k = tensor_getter(source), {}, {}, 0, 0
+    for entry in plan:
+        ours = None
+        if entry.ours is not None:
+            ours = get(entry.ours)
+            if tuple(ours.shape) != entry.our_shape:
+                raise HFConversionError(
+                    f"tensor {entry.ours} has shape {list(ours.shape)}, expected {list(entry.our_shape)} from the config")
+        for (name, _), t in zip(entry.hf, to_hf(entry, ours)):
+            if shard_of[k] != current:
+                _write_shard(out, pending, current, n_shards)
+                pending, current = {}, shard_of[k]
+            target = torch.float32 if entry.keep_fp32 else TORCH_DTYPES[dtype]
+            pending[name] = t.detach().to("cpu", target).contiguous()
+            weight_map[name] = _shard_name(current, n_shards)
+            k += 1
+        del ours
+    _write_shard(out, pending, current, n_shards)
+    if n_shards > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    _write_generation_config(out, hf_config)
+    if tokenizer_json is not None:
+        write_tokenizer(out, tokenizer_json, hf_config)
+    return ExportSummary(out, ARCH[model_type], len(weight_map), total, n_shards, time.perf_counter() - start)
+
+
+def _write_shard(out: Path, tensors: dict[str, torch.Tensor], i: int, n: int) -> None:
+    save_file(tensors, str(out / _shard_name(i, n)), metadata={"format": "pt"})
+
+
+def _write_generation_config(out: Path, hf_config: dict[str, Any]) -> None:
+    gen: dict[str, Any] = {"_from_model_config": True}
+    gen.update({k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf_config})
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+
+
+def write_tokenizer(out: Path, tokenizer_json: str | Path, hf_config: dict[str, Any]) -> None:
+    """Copy tokenizer.json and write a tokenizer_config.json that AutoTokenizer loads (fast tokenizer)."""
+    src = Path(tokenizer_json)
+    if not src.is_file():
+        raise HFConversionError(f"tokenizer_json={str(src)!r} is not a file; expected a tokenizers tokenizer.json")
+    shutil.copyfile(src, out / "tokenizer.json")
+    added = {t["id"]: t["content"] for t in json.loads(src.read_text()).get("added_tokens", [])}
+    tok_config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": hf_config["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
+    }
+    for key in ("bos", "eos", "pad"):
+        token_id = hf_config.get(f"{key}_token_id")
+        if token_id in added:
+            tok_config[f"{key}_token"] = added[token_id]
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, sort_keys=True) + "\n")

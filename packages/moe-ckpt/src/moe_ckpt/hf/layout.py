@@ -1,0 +1,137 @@
+"""The tensor plan: which HF tensors each of our tensors becomes, with exact inverse transforms.
+
+Ours -> HF (per MoE layer i, E experts, hidden h):
+    blocks.i.mlp.router.weight [E, d]            -> model.layers.i.mlp.gate.weight
+    blocks.i.mlp.router.expert_bias [E]          -> model.layers.i.mlp.gate.e_score_correction_bias (GLM, fp32)
+    blocks.i.mlp.experts.w_gate_up [E, d, 2h]    -> model.layers.i.mlp.experts.{j}.{gate,up}_proj.weight [h, d]
+    blocks.i.mlp.experts.w_down [E, h, d]        -> model.layers.i.mlp.experts.{j}.down_proj.weight [d, h]
+The per-expert names are what transformers' own save_pretrained writes (it fuses them into
+experts.gate_up_proj [E, 2h, d] / experts.down_proj [E, d, h] on load), so vLLM and older
+transformers read the folder too. Every transform is a transpose, a split or an exact x2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moe_ckpt.hf.spec import HFConversionError, head_dim
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """kind: copy | double (HF = 2 x ours) | gate_up | down | zeros (HF-only constant, ours is None)."""
+
+    kind: str
+    ours: str | None
+    our_shape: Shape
+    hf: tuple[tuple[str, Shape], ...]
+    keep_fp32: bool = False
+
+
+def _copy(ours: str, hf: str, shape: Shape, keep_fp32: bool = False) -> Entry:
+    return Entry("copy", ours, shape, ((hf, shape),), keep_fp32)
+
+
+def _swiglu(ours: str, hf: str, d: int, h: int, suffixes: tuple[str, str, str], kind: str = "copy") -> list[Entry]:
+    g, u, dn = suffixes
+    return [
+        _copy(f"{ours}.{g}.weight", f"{hf}.gate_proj.weight", (h, d)),
+        _copy(f"{ours}.{u}.weight", f"{hf}.up_proj.weight", (h, d)),
+        Entry(kind, f"{ours}.{dn}.weight", (d, h), ((f"{hf}.down_proj.weight", (d, h)),)),
+    ]
+
+
+def build_plan(m: dict[str, Any], model_type: str) -> list[Entry]:
+    """All tensors of our model dict `m` exported as `model_type`, in file order."""
+    d, hd, v = m["d_model"], head_dim(m), m["vocab_size"]
+    nq, nkv = m["num_heads"] * hd, m["num_kv_heads"] * hd
+    plan = [_copy("embed.weight", "model.embed_tokens.weight", (v, d))]
+    for i in range(m["num_layers"]):
+        b, L = f"blocks.{i}", f"model.layers.{i}"
+        plan.append(_copy(f"{b}.attn_norm.weight", f"{L}.input_layernorm.weight", (d,)))
+        for p, shape in (("q", (nq, d)), ("k", (nkv, d)), ("v", (nkv, d)), ("o", (d, nq))):
+            plan.append(_copy(f"{b}.attn.{p}_proj.weight", f"{L}.self_attn.{p}_proj.weight", shape))
+        if m["qk_norm"]:
+            plan += [_copy(f"{b}.attn.{p}_norm.weight", f"{L}.self_attn.{p}_norm.weight", (hd,)) for p in "qk"]
+        plan.append(_copy(f"{b}.mlp_norm.weight", f"{L}.post_attention_layernorm.weight", (d,)))
+        is_moe = m["num_experts"] > 0 and i not in m["dense_layers"]
+        if not is_moe:
+            plan += _swiglu(f"{b}.mlp", f"{L}.mlp", d, m["dense_hidden"], ("gate", "up", "down"))
+        else:
+            plan += _moe_layer(m, model_type, b, L)
+    plan.append(_copy("norm.weight", "model.norm.weight", (d,)))
+    if not m["tie_embeddings"]:
+        plan.append(_copy("lm_head.weight", "lm_head.weight", (v, d)))
+    return plan
+
+
+def _moe_layer(m: dict[str, Any], model_type: str, b: str, L: str) -> list[Entry]:
+    d, e, h, s = m["d_model"], m["num_experts"], m["expert_hidden"], m["shared_expert_hidden"]
+    out = [_copy(f"{b}.mlp.router.weight", f"{L}.mlp.gate.weight", (e, d))]
+    if model_type == "glm4_moe":
+        bias = f"{L}.mlp.gate.e_score_correction_bias"
+        out.append(_copy(f"{b}.mlp.router.expert_bias", bias, (e,), keep_fp32=True) if m["router"]["expert_bias"]
+                   else Entry("zeros", None, (), ((bias, (e,)),), keep_fp32=True))
+    experts = f"{L}.mlp.experts"
+    gate_up = tuple((f"{experts}.{j}.{p}_proj.weight", (h, d)) for j in range(e) for p in ("gate", "up"))
+    out.append(Entry("gate_up", f"{b}.mlp.experts.w_gate_up", (e, d, 2 * h), gate_up))
+    down = tuple((f"{experts}.{j}.down_proj.weight", (d, h)) for j in range(e))
+    out.append(Entry("down", f"{b}.mlp.experts.w_down", (e, h, d), down))
+    if model_type == "qwen3_moe":
+        return out
+    shared = f"{L}.mlp.shared_expert" if model_type == "qwen2_moe" else f"{L}.mlp.shared_experts"
+    if s > 0:
+        # Qwen2-MoE scales its shared expert by sigmoid(gate . x); a zero gate gives exactly 0.5, so the
+        # down projection is stored doubled (exact in binary floating point) and the gate pinned to zero.
+        out += _swiglu(f"{b}.mlp.shared_expert", shared, d, s, ("gate", "up", "down"),
+                       kind="double" if model_type == "qwen2_moe" else "copy")
+    else:
+        out.append(Entry("zeros", None, (), tuple((f"{shared}.{p}_proj.weight", (0, d)) for p in ("gate", "up"))
+                         + ((f"{shared}.down_proj.weight", (d, 0)),)))
+    if model_type == "qwen2_moe":
+        out.append(Entry("zeros", None, (), ((f"{L}.mlp.shared_expert_gate.weight", (1, d)),)))
+    return out
+
+
+def to_hf(entry: Entry, t: torch.Tensor | None) -> list[torch.Tensor]:
+    """Our tensor (None for constants) -> the entry's HF tensors, in entry.hf order (fp32 or source dtype)."""
+    if entry.kind == "zeros":
+        return [torch.zeros(shape) for _, shape in entry.hf]
+    assert t is not None
+    if entry.kind == "copy":
+        return [t]
+    if entry.kind == "double":
+        return [t * 2]
+    if entry.kind == "gate_up":
+        h = t.shape[2] // 2
+        return [w for j in range(t.shape[0]) for w in (t[j, :, :h].t(), t[j, :, h:].t())]
+    if entry.kind == "down":
+        return [t[j].t() for j in range(t.shape[0])]
+    raise ValueError(f"entry kind {entry.kind!r}: expected copy, double, gate_up, down or zeros")
+
+
+def from_hf(entry: Entry, ts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The entry's HF tensors (fp32) -> our tensor; constants are checked and give None."""
+    if entry.kind == "zeros":
+        for (name, _), t in zip(entry.hf, ts):
+            if t.numel() and bool(t.ne(0).any()):
+                raise HFConversionError(
+                    f"tensor {name} is not all zeros (max |x| = {t.abs().max().item():.3g}): moe-train has no "
+                    "counterpart for it (a learned shared-expert gate or a selection bias the config turns off)"
+                )
+        return None
+    if entry.kind == "copy":
+        return ts[0]
+    if entry.kind == "double":
+        return ts[0] / 2
+    if entry.kind == "gate_up":
+        pairs = zip(ts[0::2], ts[1::2])
+        return torch.stack([torch.cat([g.t(), u.t()], dim=1) for g, u in pairs])
+    if entry.kind == "down":
+        return torch.stack([t.t() for t in ts])
+    raise ValueError(f"entry kind {entry.kind!r}: expected copy, double, gate_up, down or zeros")

@@ -1,0 +1,108 @@
+"""Read a Hugging Face model folder back into our config dict and our tensors, one tensor at a time.
+
+`open_hf_folder` checks config.json and every tensor name and shape (from safetensors headers,
+nothing loaded) before it returns; `HFFolder.tensors()` then streams our fp32 tensors by our names.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from moe_ckpt.hf.layout import Entry, build_plan, from_hf
+from moe_ckpt.hf.spec import ARCH, HFConversionError, from_hf_config
+
+
+@dataclass
+class HFFolder:
+    """A checked HF folder. model_config: our model fields (router as a nested dict); extra_config: token ids etc."""
+
+    folder: Path
+    model_type: str
+    model_config: dict[str, Any]
+    extra_config: dict[str, Any]
+    plan: list[Entry]
+    files: dict[str, str]  # HF tensor name -> safetensors file name
+    _handles: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def _read(self, name: str) -> torch.Tensor:
+        fname = self.files[name]
+        if fname not in self._handles:
+            self._handles[fname] = safe_open(str(self.folder / fname), framework="pt")
+        return self._handles[fname].get_tensor(name).float()
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(our name, fp32 tensor) for every tensor of our state dict; lm_head.weight aliases embed when tied."""
+        try:
+            for entry in self.plan:
+                ours = from_hf(entry, [self._read(name) for name, _ in entry.hf])
+                if ours is None:
+                    continue
+                assert entry.ours is not None
+                yield entry.ours, ours
+                if entry.ours == "embed.weight" and self.model_config["tie_embeddings"]:
+                    yield "lm_head.weight", ours
+        finally:
+            self._handles.clear()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.tensors())
+
+
+def _tensor_files(folder: Path) -> dict[str, str]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise HFConversionError(f"{str(folder)!r} has neither model.safetensors nor model.safetensors.index.json")
+    with safe_open(str(single), framework="pt") as f:
+        return {k: "model.safetensors" for k in f.keys()}
+
+
+def _shapes(folder: Path, files: dict[str, str]) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {}
+    for fname in sorted(set(files.values())):
+        path = folder / fname
+        if not path.is_file():
+            raise HFConversionError(f"shard {fname} named by the index is missing from {str(folder)!r}")
+        with safe_open(str(path), framework="pt") as f:
+            for k in f.keys():
+                shapes[k] = tuple(f.get_slice(k).get_shape())
+    return shapes
+
+
+def open_hf_folder(folder: str | Path) -> HFFolder:
+    """Check config.json and every tensor (names, shapes); raise HFConversionError naming the first problem."""
+    root = Path(folder)
+    cfg_path = root / "config.json"
+    if not cfg_path.is_file():
+        raise HFConversionError(f"{str(root)!r} has no config.json; expected a Hugging Face model folder")
+    hf_config = json.loads(cfg_path.read_text())
+    model_config, extra = from_hf_config(hf_config)
+    model_type = hf_config["model_type"]
+    arch = (hf_config.get("architectures") or [ARCH[model_type]])[0]
+    if arch != ARCH[model_type]:
+        raise HFConversionError(f"config.json architectures={[arch]}: expected [{ARCH[model_type]!r}] for {model_type}")
+    plan = build_plan(model_config, model_type)
+    files = _tensor_files(root)
+    shapes = _shapes(root, files)
+    expected = {name: shape for e in plan for name, shape in e.hf}
+    for name, shape in expected.items():
+        if name not in shapes:
+            raise HFConversionError(f"tensor {name} (shape {list(shape)}) is missing from {str(root)!r}")
+        if shapes[name] != shape:
+            raise HFConversionError(
+                f"tensor {name} has shape {list(shapes[name])}, expected {list(shape)} from config.json")
+    unexpected = sorted(set(shapes) - set(expected))
+    if unexpected:
+        raise HFConversionError(
+            f"tensor {unexpected[0]} (shape {list(shapes[unexpected[0]])}) has no counterpart in moe-train "
+            f"({len(unexpected)} unexpected tensors in all)")
+    return HFFolder(root, model_type, model_config, extra, plan, files)

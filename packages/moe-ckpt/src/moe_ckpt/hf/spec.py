@@ -1,0 +1,170 @@
+"""Which stock transformers class a moe-train model maps onto, and the config.json both ways.
+
+Our model config arrives as a plain dict (moe-train's `Config.to_dict()["model"]`). Every class
+chosen here computes exactly our function (same norms, RoPE, routing, expert SwiGLU); a model
+that uses a feature no stock class has is refused with the feature and the nearest config that
+would export.
+
+    num_experts == 0, qk_norm            -> Qwen3ForCausalLM
+    num_experts == 0, no qk_norm         -> LlamaForCausalLM
+    softmax, qk_norm, no shared expert   -> Qwen3MoeForCausalLM   (dense layers: mlp_only_layers)
+    softmax, no qk_norm                  -> Qwen2MoeForCausalLM   (shared expert: gate pinned open)
+    sigmoid (+ expert bias, shared)      -> Glm4MoeForCausalLM    (dense layers must lead)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# HF config keys we carry through unchanged (not part of the function the model computes).
+EXTRA_KEYS = ("max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+DEFAULT_EXTRA: dict[str, Any] = {"max_position_embeddings": 4096}
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+ARCH = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+}
+
+
+class HFConversionError(ValueError):
+    """A model, config.json or tensor cannot be converted exactly; the message names it and what was expected."""
+
+
+def _refuse(feature: str, nearest: str) -> HFConversionError:
+    return HFConversionError(f"{feature}: no stock transformers class computes this exactly; nearest that exports: {nearest}")
+
+
+def choose_model_type(m: dict[str, Any], allow_benchmark_routing: bool = False) -> str:
+    """The HF model_type for our model config dict, or HFConversionError naming the feature."""
+    if m["num_experts"] == 0:
+        return "qwen3" if m["qk_norm"] else "llama"
+    r = m["router"]
+    if r["routing"] != "learned" and not allow_benchmark_routing:
+        raise HFConversionError(
+            f"router.routing={r['routing']!r} is a benchmark mode (the router weights never chose the experts); "
+            "expected 'learned', or pass allow_benchmark_routing=True to export the router as a learned one"
+        )
+    if r["gating"] == "sigmoid":
+        dense = sorted(set(m["dense_layers"]))
+        if dense != list(range(len(dense))):
+            raise _refuse(f"dense_layers={m['dense_layers']} with sigmoid gating (GLM-4-MoE only has leading dense "
+                          "layers, first_k_dense_replace)", f"dense_layers={list(range(len(dense)))}")
+        if m["shared_expert_hidden"] % m["expert_hidden"]:
+            raise _refuse(f"shared_expert_hidden={m['shared_expert_hidden']} with sigmoid gating (GLM-4-MoE's shared "
+                          f"expert is n_shared_experts x expert_hidden={m['expert_hidden']})",
+                          "a multiple of expert_hidden")
+        if m["num_experts"] < 2:
+            raise _refuse(f"num_experts={m['num_experts']} with sigmoid gating", "num_experts >= 2")
+        return "glm4_moe"
+    if r["gating"] != "softmax":
+        raise HFConversionError(f"router.gating={r['gating']!r}: expected 'softmax' or 'sigmoid'")
+    if r["expert_bias"]:
+        raise _refuse("router.expert_bias=True with softmax gating (a selection-only bias over softmax probabilities)",
+                      "router.gating='sigmoid' (Glm4MoeForCausalLM) or router.expert_bias=False")
+    if m["qk_norm"] and m["shared_expert_hidden"] > 0:
+        raise _refuse("softmax gating + shared expert + per-head qk_norm (Qwen3-MoE has no shared expert, Qwen2-MoE "
+                      "no qk-norm, HunYuan-MoE normalises after RoPE)",
+                      "router.gating='sigmoid' (Glm4MoeForCausalLM) or qk_norm=False (Qwen2MoeForCausalLM)")
+    return "qwen3_moe" if m["qk_norm"] else "qwen2_moe"
+
+
+def head_dim(m: dict[str, Any]) -> int:
+    return m["head_dim"] if m.get("head_dim") is not None else m["d_model"] // m["num_heads"]
+
+
+def to_hf_config(m: dict[str, Any], model_type: str, dtype: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """config.json for our model dict `m` as `model_type`; `extra` supplies EXTRA_KEYS (token ids, max length)."""
+    if dtype not in DTYPES:
+        raise HFConversionError(f"dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
+    c: dict[str, Any] = {
+        "architectures": [ARCH[model_type]], "model_type": model_type, "dtype": DTYPES[dtype],
+        "vocab_size": m["vocab_size"], "hidden_size": m["d_model"], "num_hidden_layers": m["num_layers"],
+        "num_attention_heads": m["num_heads"], "num_key_value_heads": m["num_kv_heads"], "head_dim": head_dim(m),
+        "hidden_act": "silu", "rms_norm_eps": m["norm_eps"], "tie_word_embeddings": m["tie_embeddings"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": m["rope_theta"]}, "initializer_range": m["init_std"],
+        "intermediate_size": m["dense_hidden"], "attention_dropout": 0.0, "use_cache": True,
+    }
+    c.update(DEFAULT_EXTRA)
+    c.update({k: v for k, v in (extra or {}).items() if k in EXTRA_KEYS})
+    if model_type == "llama":
+        c.update(attention_bias=False, mlp_bias=False)
+    elif model_type == "qwen3":
+        c.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
+    if model_type in ("llama", "qwen3"):
+        return c
+    r = m["router"]
+    c.update(num_experts_per_tok=r["top_k"], moe_intermediate_size=m["expert_hidden"],
+             norm_topk_prob=r["normalize_top_k"])
+    if "lb_loss_weight" in r:
+        c["router_aux_loss_coef"] = r["lb_loss_weight"]
+    dense = sorted(set(m["dense_layers"]))
+    if model_type == "qwen3_moe":
+        c.update(num_experts=m["num_experts"], mlp_only_layers=dense, decoder_sparse_step=1,
+                 attention_bias=False, use_sliding_window=False, sliding_window=None)
+    elif model_type == "qwen2_moe":
+        c.update(num_experts=m["num_experts"], mlp_only_layers=dense, decoder_sparse_step=1, qkv_bias=False,
+                 shared_expert_intermediate_size=m["shared_expert_hidden"], use_sliding_window=False)
+    elif model_type == "glm4_moe":
+        c["rope_parameters"]["partial_rotary_factor"] = 1.0
+        c.update(n_routed_experts=m["num_experts"], n_shared_experts=m["shared_expert_hidden"] // m["expert_hidden"],
+                 first_k_dense_replace=len(dense), n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                 use_qk_norm=m["qk_norm"], attention_bias=False, num_nextn_predict_layers=0)
+    return c
+
+
+def _need(c: dict[str, Any], key: str, ok: Any, expected: Any) -> None:
+    if not ok:
+        raise HFConversionError(f"config.json {key}={c.get(key)!r}: expected {expected} (moe-train cannot represent this)")
+
+
+def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """config.json -> (our model fields, EXTRA_KEYS found); HFConversionError on anything we cannot represent."""
+    mt = c.get("model_type")
+    _need(c, "model_type", mt in ARCH, f"one of {', '.join(ARCH)}")
+    _need(c, "hidden_act", c.get("hidden_act", "silu") == "silu", "'silu'")
+    rope = dict(c.get("rope_parameters") or {})
+    rope.setdefault("rope_theta", c.get("rope_theta", 10_000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    _need(c, "rope_parameters.rope_type", rope_type == "default" and not c.get("rope_scaling"), "'default' (no scaling)")
+    prf = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    _need(c, "partial_rotary_factor", prf == 1.0, "1.0 (moe-train rotates the whole head)")
+    for key in ("attention_bias", "mlp_bias", "qkv_bias", "use_sliding_window"):
+        _need(c, key, not c.get(key, False), "false")
+    d, heads = c["hidden_size"], c["num_attention_heads"]
+    hd = c.get("head_dim") or d // heads
+    m: dict[str, Any] = {
+        "vocab_size": c["vocab_size"], "d_model": d, "num_layers": c["num_hidden_layers"], "num_heads": heads,
+        "num_kv_heads": c.get("num_key_value_heads") or heads, "head_dim": None if hd * heads == d else hd,
+        "rope_theta": float(rope["rope_theta"]), "norm_eps": c.get("rms_norm_eps", 1e-6),
+        "dense_hidden": c["intermediate_size"], "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
+        "init_std": c.get("initializer_range", 0.02),
+        "qk_norm": mt in ("qwen3", "qwen3_moe") or (mt == "glm4_moe" and bool(c.get("use_qk_norm", False))),
+    }
+    extra = {k: c[k] for k in EXTRA_KEYS if c.get(k) is not None}
+    if mt in ("llama", "qwen3"):
+        m.update(num_experts=0, dense_layers=[], shared_expert_hidden=0)
+        return m, extra
+    router = {"top_k": c["num_experts_per_tok"], "normalize_top_k": bool(c.get("norm_topk_prob", mt == "glm4_moe")),
+              "routing": "learned", "gating": "softmax", "expert_bias": False}
+    if "router_aux_loss_coef" in c:
+        router["lb_loss_weight"] = c["router_aux_loss_coef"]
+    m.update(expert_hidden=c["moe_intermediate_size"], router=router)
+    if mt in ("qwen3_moe", "qwen2_moe"):
+        _need(c, "decoder_sparse_step", c.get("decoder_sparse_step", 1) == 1, "1")
+        m.update(num_experts=c.get("num_experts", c.get("num_local_experts")),
+                 dense_layers=sorted(set(c.get("mlp_only_layers") or [])),
+                 shared_expert_hidden=c.get("shared_expert_intermediate_size", 0) if mt == "qwen2_moe" else 0)
+    else:  # glm4_moe
+        _need(c, "n_group", c.get("n_group", 1) == 1, "1 (no group-limited routing)")
+        _need(c, "topk_group", c.get("topk_group", 1) == 1, "1")
+        _need(c, "routed_scaling_factor", c.get("routed_scaling_factor", 1.0) == 1.0, "1.0")
+        _need(c, "num_nextn_predict_layers", not c.get("num_nextn_predict_layers", 0), "0 (no multi-token prediction)")
+        # Sigmoid routers are trained with the selection bias (e_score_correction_bias); keep it live.
+        router.update(gating="sigmoid", expert_bias=True)
+        m.update(num_experts=c["n_routed_experts"], dense_layers=list(range(c.get("first_k_dense_replace", 1))),
+                 shared_expert_hidden=c.get("n_shared_experts", 1) * c["moe_intermediate_size"])
+    return m, extra

@@ -1,0 +1,126 @@
+"""index.json: which file holds which piece of which global tensor; built by rank 0 from per-rank manifests."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe_ckpt.errors import CheckpointError, IncompleteCheckpointError, LayoutError
+from moe_ckpt.geometry import Box, Region, as_boxes, describe, intersect, region_from_json
+from moe_ckpt.run_dir import INDEX, TMP_MARK
+
+FORMAT = "moe-ckpt"
+VERSION = 1
+
+
+def shard_file_name(rank: int, world_size: int) -> str:
+    return f"shard-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def manifest_name(rank: int, world_size: int) -> str:
+    return f"shard-{rank:05d}-of-{world_size:05d}.manifest.json"
+
+
+@dataclass
+class Piece:
+    file: str
+    key: str
+    region: Region
+
+
+@dataclass
+class TensorEntry:
+    shape: tuple[int, ...]
+    dtype: str
+    pieces: list[Piece]
+
+
+@dataclass
+class Index:
+    world_size: int
+    checksum_algorithm: str
+    files: dict[str, dict]  # file name -> {"rank", "bytes", "checksum"}
+    tensors: dict[str, TensorEntry]
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "world_size": self.world_size,
+            "checksum_algorithm": self.checksum_algorithm,
+            "files": self.files,
+            "tensors": {
+                name: {"shape": list(t.shape), "dtype": t.dtype,
+                       "pieces": [{"file": p.file, "key": p.key, **p.region.to_json()} for p in t.pieces]}
+                for name, t in self.tensors.items()
+            },
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> Index:
+        if d.get("format") != FORMAT or d.get("version") != VERSION:
+            raise CheckpointError(f"index format {d.get('format')!r} v{d.get('version')!r} is not {FORMAT!r} v{VERSION}")
+        tensors = {
+            name: TensorEntry(tuple(t["shape"]), t["dtype"],
+                              [Piece(p["file"], p["key"], region_from_json(p)) for p in t["pieces"]])
+            for name, t in d["tensors"].items()
+        }
+        return Index(d["world_size"], d["checksum_algorithm"], d["files"], tensors)
+
+
+def read_index(path: Path) -> Index:
+    """Read path/index.json; raise IncompleteCheckpointError for a partial or non-checkpoint directory."""
+    if TMP_MARK in path.name:
+        raise IncompleteCheckpointError(f"{path} is a partial checkpoint (name contains {TMP_MARK!r}); "
+                                        f"it was never committed")
+    try:
+        with open(path / INDEX) as f:
+            return Index.from_json(json.load(f))
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(f"{path} has no {INDEX}: not a committed checkpoint") from None
+
+
+def build_index(manifests: list[dict], world_size: int, algorithm: str) -> Index:
+    """Merge per-rank manifests and check that each tensor's pieces tile it exactly."""
+    files: dict[str, dict] = {}
+    tensors: dict[str, TensorEntry] = {}
+    owners: dict[str, list[int]] = {}
+    for m in manifests:
+        files[m["file"]] = {"rank": m["rank"], "bytes": m["bytes"], "checksum": m["checksum"]}
+        for p in m["pieces"]:
+            name, shape, dtype = p["name"], tuple(p["shape"]), p["dtype"]
+            entry = tensors.setdefault(name, TensorEntry(shape, dtype, []))
+            if entry.shape != shape or entry.dtype != dtype:
+                raise LayoutError(f"tensor {name!r}: rank {m['rank']} saved it as {shape} {dtype}, "
+                                  f"rank {owners[name][0]} as {entry.shape} {entry.dtype}")
+            entry.pieces.append(Piece(m["file"], p["key"], region_from_json(p)))
+            owners.setdefault(name, []).append(m["rank"])
+    for name, entry in tensors.items():
+        _check_tiling(name, entry, owners[name])
+    return Index(world_size, algorithm, files, dict(sorted(tensors.items())))
+
+
+def _check_tiling(name: str, entry: TensorEntry, ranks: list[int]) -> None:
+    """Pieces must be pairwise disjoint and cover the whole tensor."""
+    boxes: list[tuple[Box, int, Piece]] = []
+    for piece, rank in zip(entry.pieces, ranks):
+        boxes += [(b, rank, piece) for _, b in as_boxes(entry.shape, piece.region)]
+    if entry.shape:  # sweep along dim 0: only boxes whose dim-0 spans overlap can collide
+        boxes.sort(key=lambda x: x[0].offsets[0])
+    active: list[tuple[Box, int, Piece]] = []
+    for cur in boxes:
+        if entry.shape:
+            active = [a for a in active if a[0].offsets[0] + a[0].lengths[0] > cur[0].offsets[0]]
+        for other in active:
+            if cur[0].numel and other[0].numel and intersect(cur[0], other[0]) is not None:
+                raise LayoutError(
+                    f"tensor {name!r}: rank {other[1]} piece {describe(other[2].region)} and rank {cur[1]} "
+                    f"piece {describe(cur[2].region)} overlap; a replicated tensor needs exactly one "
+                    f"writer=True")
+        active.append(cur)
+    covered, total = sum(p.region.numel for p in entry.pieces), math.prod(entry.shape)
+    if covered != total:
+        raise LayoutError(f"tensor {name!r} of shape {entry.shape}: saved pieces cover {covered} of "
+                          f"{total} elements; every element needs exactly one writer")

@@ -1,0 +1,204 @@
+"""load_checkpoint: assemble any region of any saved tensor from the pieces that overlap it.
+
+Only safetensors (`safe_open` + `get_slice`, memory-mapped) and JSON are read; no
+pickle. A piece is read only where it overlaps the request, so a rank that needs 1/8
+of an expert stack reads 1/8 of it (plus, with verify=True, one checksum pass over
+each file it touches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from moe_ckpt.errors import (
+    ChecksumMismatchError,
+    DtypeMismatchError,
+    MissingShardFileError,
+    ShapeMismatchError,
+    TensorNotFoundError,
+    UncoveredRegionError,
+)
+from moe_ckpt.geometry import Box, FlatRange, Region, as_boxes, check_region, describe, intersect
+from moe_ckpt.index import Index, Piece, read_index
+from moe_ckpt.run_dir import INDEX, LATEST, METADATA, find_latest
+from moe_ckpt.shard_file import file_checksum
+from moe_ckpt.spec import LoadRequest, dtype_from_name, dtype_name
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint directory as given, or a run directory's latest committed checkpoint."""
+    path = Path(path)
+    if not (path / INDEX).exists() and (path / LATEST).exists():
+        latest = find_latest(path)
+        if latest is not None:
+            return latest
+    return path
+
+
+def load_metadata(path: str | Path) -> dict:
+    """The JSON metadata blob of a committed checkpoint (step, schedules, RNG, config, layout)."""
+    path = resolve(path)
+    read_index(path)  # refuses partial checkpoints
+    with open(path / METADATA) as f:
+        return json.load(f)
+
+
+def load_checkpoint(
+    path: str | Path,
+    requests: Sequence[LoadRequest] | None = None,
+    *,
+    verify: bool = True,
+    device: str | torch.device = "cpu",
+) -> dict[str, torch.Tensor]:
+    """Read the requested regions; returns {name: tensor of shape request.region's local shape}.
+
+    requests: None loads every tensor whole. verify: checksum every shard file touched
+    (file sizes are always checked). Raises a CheckpointError subclass naming the
+    tensor, file or region that is wrong.
+    """
+    path = resolve(path)
+    index = read_index(path)
+    if requests is None:
+        requests = [LoadRequest(name) for name in index.tensors]
+    _validate(index, requests)
+    out: dict[str, torch.Tensor] = {}
+    with _Files(path, index, verify) as files:
+        for req in requests:
+            out[req.name] = _assemble(index, files, req, device)
+    return out
+
+
+def _validate(index: Index, requests: Sequence[LoadRequest]) -> None:
+    names = [r.name for r in requests]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"tensors {dup} are requested more than once; request each name once")
+    missing = [n for n in names if n not in index.tensors]
+    if missing:
+        known = list(index.tensors)
+        raise TensorNotFoundError(f"tensors {missing} are not in the checkpoint; it has {len(known)} "
+                                  f"tensors, e.g. {known[:8]}")
+    for r in requests:
+        entry = index.tensors[r.name]
+        if r.global_shape is not None and tuple(r.global_shape) != entry.shape:
+            raise ShapeMismatchError(f"tensor {r.name!r}: requested global shape {tuple(r.global_shape)}, "
+                                     f"checkpoint has {entry.shape}")
+        if r.dtype is not None and dtype_name(r.dtype) != entry.dtype:
+            raise DtypeMismatchError(f"tensor {r.name!r}: requested dtype {dtype_name(r.dtype)}, "
+                                     f"checkpoint has {entry.dtype}")
+        if r.region is not None:
+            check_region(entry.shape, r.region, f"request for tensor {r.name!r}")
+
+
+class _Files(contextlib.ExitStack):
+    """Opens each shard file once, after checking its size (and checksum when verify)."""
+
+    def __init__(self, path: Path, index: Index, verify: bool) -> None:
+        super().__init__()
+        self.path, self.index, self.verify = path, index, verify
+        self.handles: dict[str, object] = {}
+
+    def get(self, fname: str):
+        if fname not in self.handles:
+            fpath = self.path / fname
+            rec = self.index.files[fname]
+            if not fpath.is_file():
+                raise MissingShardFileError(f"shard file {fpath} (rank {rec['rank']} of "
+                                            f"{self.index.world_size}) is missing")
+            size = fpath.stat().st_size
+            if size != rec["bytes"]:
+                raise ChecksumMismatchError(f"shard file {fpath} has {size} bytes, index.json says "
+                                            f"{rec['bytes']}: truncated or corrupt")
+            if self.verify:
+                got = file_checksum(fpath, self.index.checksum_algorithm).checksum
+                if got != rec["checksum"]:
+                    raise ChecksumMismatchError(
+                        f"shard file {fpath} has {self.index.checksum_algorithm} {got}, index.json says "
+                        f"{rec['checksum']}: corrupt")
+            self.handles[fname] = self.enter_context(safe_open(fpath, framework="pt"))
+        return self.handles[fname]
+
+
+def _assemble(index: Index, files: _Files, req: LoadRequest, device) -> torch.Tensor:
+    entry = index.tensors[req.name]
+    dtype = dtype_from_name(entry.dtype)
+    region = req.region if req.region is not None else Box.whole(entry.shape)
+    dest = req.out
+    if dest is not None and (dest.dtype != dtype or dest.numel() != region.numel):
+        raise ValueError(f"tensor {req.name!r}: out has {tuple(dest.shape)} {dest.dtype}, "
+                         f"needs {region.local_shape} {dtype}")
+    whole = _contained_read(files, entry.pieces, region, entry.shape)
+    if whole is not None:  # one stored piece holds all of it: no assembly buffer, no second copy
+        if dest is None:
+            return whole.reshape(region.local_shape).to(device)
+        return dest.copy_(whole.reshape(dest.shape))
+    if dest is None:
+        dest = torch.empty(region.local_shape, dtype=dtype, device=device)
+    # Targets: boxes of the global tensor, each with a view into dest shaped like it.
+    if isinstance(region, Box):
+        targets = [(region, dest.view(region.lengths))]
+    else:
+        flat = dest.view(-1)
+        targets = [(b, flat[pos : pos + b.numel].view(b.lengths)) for pos, b in as_boxes(entry.shape, region)]
+    covered = 0
+    for piece in entry.pieces:
+        for spos, sbox in as_boxes(entry.shape, piece.region):
+            for tbox, view in targets:
+                hit = intersect(tbox, sbox)
+                if hit is None:
+                    continue
+                data = _read(files.get(piece.file), piece, spos, sbox, hit)
+                view[hit.slices(tbox.offsets)] = data
+                covered += hit.numel
+    if covered != region.numel:
+        raise UncoveredRegionError(
+            f"tensor {req.name!r} {entry.shape}: the saved pieces cover {covered} of the {region.numel} "
+            f"elements of {describe(region)}; a shard is missing from index.json")
+    return dest
+
+
+def _contained_read(files: _Files, pieces: list[Piece], region: Region, shape: tuple[int, ...]):
+    """The request read from the one stored piece that contains all of it, else None.
+
+    safetensors slices are views of the memory-mapped file, so this costs no copy
+    until the data is touched (or a copy for a strided box, by .contiguous()).
+    """
+    if region.numel == 0:
+        return None
+    if isinstance(region, Box) and region == Box.whole(shape):
+        as_flat = FlatRange(0, region.numel)
+    else:
+        as_flat = region if isinstance(region, FlatRange) else None
+    for piece in pieces:
+        stored = piece.region
+        if isinstance(region, Box) and isinstance(stored, Box) and intersect(stored, region) == region:
+            return _read(files.get(piece.file), piece, 0, stored, region).contiguous()
+        if (as_flat is not None and isinstance(stored, FlatRange) and stored.start <= as_flat.start
+                and as_flat.start + as_flat.length <= stored.start + stored.length):
+            off = as_flat.start - stored.start
+            return files.get(piece.file).get_slice(piece.key)[off : off + as_flat.length]
+    return None
+
+
+def _read(handle, piece: Piece, spos: int, sbox: Box, want: Box) -> torch.Tensor:
+    """The part `want` (global coordinates) of stored box `sbox` of `piece`, as a [*want.lengths] tensor."""
+    sl = handle.get_slice(piece.key)
+    rel = want.slices(sbox.offsets)
+    nd = len(sbox.lengths)
+    if isinstance(piece.region, Box):
+        return handle.get_tensor(piece.key) if nd == 0 else sl[rel]
+    if nd == 0:  # a scalar saved as a flat range of length 1
+        return sl[spos : spos + 1].reshape(())
+    # sbox is contiguous: length 1 in dims < k, a run in dim k, whole in dims > k.
+    k = next((d for d, n in enumerate(sbox.lengths) if n != 1), nd - 1)
+    inner = math.prod(sbox.lengths[k + 1 :])
+    a, b = rel[k].start, rel[k].stop
+    slab = sl[spos + a * inner : spos + b * inner].reshape((1,) * k + (b - a,) + sbox.lengths[k + 1 :])
+    return slab[(slice(None),) * (k + 1) + rel[k + 1 :]]

@@ -1,0 +1,108 @@
+"""A run directory of checkpoints: the `latest` pointer, discovery and retention.
+
+    run/
+      step-00000100/      committed: index.json present, name has no ".tmp"
+      step-00000200.tmp/  a save in progress or a crashed one: always ignored
+      latest              text file holding "step-00000100", replaced atomically
+
+A checkpoint directory is only ever renamed into place after its index.json (written
+last) is fsynced, so "has index.json and no .tmp in its name" means complete.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+from moe_ckpt.shard_file import fsync_dir
+
+INDEX = "index.json"
+METADATA = "metadata.json"
+LATEST = "latest"
+TMP_MARK = ".tmp"
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    """The conventional checkpoint directory for `step`: root/step-00000123."""
+    return Path(root) / f"step-{step:08d}"
+
+
+def tmp_dir_for(path: Path) -> Path:
+    return path.with_name(path.name + TMP_MARK)
+
+
+def is_complete(path: Path) -> bool:
+    return TMP_MARK not in path.name and (path / INDEX).is_file()
+
+
+def _natural_key(name: str) -> list:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Committed checkpoints under `root`, oldest first by name (step numbers compare as numbers)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and is_complete(p)]
+    return sorted(found, key=lambda p: _natural_key(p.name))
+
+
+def read_latest(root: Path) -> Path | None:
+    try:
+        name = (root / LATEST).read_text().strip()
+    except FileNotFoundError:
+        return None
+    if not name or "/" in name or name in (".", ".."):
+        return None
+    return root / name
+
+
+def find_latest(root: str | Path) -> Path | None:
+    """Resolve a run directory to its latest committed checkpoint, or None if it has none.
+
+    Follows `latest` when it names a committed checkpoint; otherwise (pointer absent,
+    or its target deleted by hand) falls back to the last committed one by name.
+    Partial `.tmp` directories are never returned.
+    """
+    root = Path(root)
+    target = read_latest(root)
+    if target is not None and is_complete(target):
+        return target
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def write_latest(root: Path, checkpoint: Path) -> None:
+    """Point root/latest at `checkpoint` (a temp file renamed over the old pointer)."""
+    tmp = root / f".{LATEST}.tmp-{uuid.uuid4().hex}"
+    with open(tmp, "w") as f:
+        f.write(checkpoint.name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+    fsync_dir(root)
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint so that a crash half-way never leaves something that looks complete."""
+    doomed = path.with_name(f"{path.name}{TMP_MARK}-delete-{uuid.uuid4().hex[:8]}")
+    os.rename(path, doomed)
+    fsync_dir(path.parent)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def apply_retention(root: str | Path, keep_last_n: int) -> list[Path]:
+    """Remove all but the last `keep_last_n` committed checkpoints (never the `latest` target)."""
+    if keep_last_n < 1:
+        raise ValueError(f"keep_last_n={keep_last_n} must be >= 1")
+    root = Path(root)
+    latest = read_latest(root)
+    found = list_checkpoints(root)
+    doomed = [p for p in found[: max(0, len(found) - keep_last_n)] if p != latest]
+    for p in doomed:
+        remove_checkpoint(p)
+    return doomed

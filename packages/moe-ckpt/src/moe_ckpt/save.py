@@ -1,0 +1,172 @@
+"""save_checkpoint: every rank writes the pieces it owns; rank 0 commits.
+
+Protocol (ranks share a file system; `barrier` is the only coordination):
+  1. rank 0 clears a stale `<path>.tmp` and creates it            -- barrier
+  2. each rank writes shard-RRRRR-of-WWWWW.safetensors (fsynced)
+     and a small manifest (its pieces, size, checksum)            -- barrier
+  3. rank 0 merges manifests into index.json after metadata.json,
+     fsyncs, renames `<path>.tmp` -> `<path>`, moves `latest`,
+     applies retention                                             -- barrier
+  4. every rank checks the commit happened
+A failure on any rank is written to the tmp directory and every rank still reaches
+every barrier, so all ranks raise instead of one hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import shutil
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from moe_ckpt.errors import CheckpointError
+from moe_ckpt.geometry import describe
+from moe_ckpt.index import VERSION, build_index, manifest_name, shard_file_name
+from moe_ckpt.run_dir import INDEX, METADATA, apply_retention, is_complete, tmp_dir_for, write_latest
+from moe_ckpt.shard_file import Checksum, fsync_dir, write_json_atomic, write_shard_file
+from moe_ckpt.spec import ShardSpec, dtype_name
+
+Barrier = Callable[[], object]
+
+
+def save_checkpoint(
+    path: str | Path,
+    shards: Sequence[ShardSpec],
+    metadata: dict | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    barrier: Barrier | None = None,
+    *,
+    keep_last_n: int | None = None,
+    update_latest: bool = True,
+    checksum: str = "crc32",
+) -> Path:
+    """Save this rank's pieces into checkpoint directory `path` (e.g. run/step-00000100).
+
+    Call on every rank with the same path, metadata (only rank 0's is written) and
+    world_size. Returns `path` once the checkpoint is committed on disk.
+    keep_last_n: after committing, keep only the newest n checkpoints beside `path`.
+    """
+    path = Path(path)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} is outside [0, world_size={world_size})")
+    if world_size > 1 and barrier is None:
+        raise ValueError(f"world_size={world_size} needs a barrier callable (e.g. torch.distributed.barrier)")
+    Checksum(checksum)
+    if path.exists():
+        raise FileExistsError(f"checkpoint {path} already exists; pick a new directory or delete it")
+    barrier = barrier or (lambda: None)
+    tmp = tmp_dir_for(path)
+    errors: list[BaseException] = []
+
+    def phase(fn: Callable[[], None]) -> None:
+        if errors:
+            return
+        try:
+            fn()
+        except Exception as e:  # recorded so every rank still reaches every barrier
+            errors.append(e)
+            _record_error(tmp, rank, e)
+
+    if rank == 0:
+        phase(lambda: _prepare(tmp, metadata))
+    barrier()
+    phase(lambda: _write_rank(tmp, shards, rank, world_size, checksum))
+    barrier()
+    if rank == 0:
+        phase(lambda: _commit(path, tmp, metadata, world_size, checksum, update_latest, keep_last_n))
+    barrier()
+    if errors:
+        raise errors[0]
+    if not is_complete(path):
+        raise CheckpointError(f"checkpoint {path} was not committed: {_read_errors(tmp) or 'no error recorded'}")
+    return path
+
+
+def _prepare(tmp: Path, metadata: dict | None) -> None:
+    json.dumps(metadata or {})  # fail before any rank writes if metadata is not JSON
+    if tmp.exists():  # a crashed earlier attempt at the same step
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    fsync_dir(tmp.parent)
+
+
+def _write_rank(tmp: Path, shards: Sequence[ShardSpec], rank: int, world_size: int, algorithm: str) -> None:
+    if not tmp.is_dir():
+        raise CheckpointError(f"rank {rank}: {tmp} does not exist; rank 0 failed to create it "
+                              f"({_read_errors(tmp) or 'or the ranks do not share a file system'})")
+    entries, pieces, seen = [], [], set()
+    for s in shards:
+        if not s.writer:
+            continue
+        key = f"{s.name}{describe(s.region)}"
+        if key in seen:
+            raise ValueError(f"rank {rank}: piece {key!r} is listed twice")
+        seen.add(key)
+        entries.append((key, s.tensor))
+        pieces.append({"name": s.name, "shape": list(s.global_shape), "dtype": dtype_name(s.dtype),
+                       "key": key, **s.region.to_json()})
+    fname = shard_file_name(rank, world_size)
+    record = write_shard_file(tmp / fname, entries, {"moe_ckpt.pieces": json.dumps(pieces)}, algorithm)
+    write_json_atomic(tmp / manifest_name(rank, world_size),
+                      {"rank": rank, "file": fname, "bytes": record.nbytes, "checksum": record.checksum,
+                       "pieces": pieces})
+
+
+def _commit(path: Path, tmp: Path, metadata: dict | None, world_size: int, algorithm: str,
+            update_latest: bool, keep_last_n: int | None) -> None:
+    failed = _read_errors(tmp)
+    if failed:
+        raise CheckpointError(f"not committing {path}: {failed}")
+    manifests = []
+    for r in range(world_size):
+        mpath = tmp / manifest_name(r, world_size)
+        if not mpath.is_file():
+            raise CheckpointError(f"not committing {path}: rank {r} wrote no {mpath.name} "
+                                  f"(is world_size={world_size} right, and the file system shared?)")
+        manifests.append(json.loads(mpath.read_text()))
+    index = build_index(manifests, world_size, algorithm)
+    meta = dict(metadata or {})
+    meta["moe_ckpt"] = {
+        "format_version": VERSION,
+        "writer_world_size": world_size,
+        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "checksum_algorithm": algorithm,
+        "writer": _writer_version(),
+    }
+    write_json_atomic(tmp / METADATA, meta)
+    write_json_atomic(tmp / INDEX, index.to_json())  # last: its presence marks completeness
+    for r in range(world_size):
+        os.remove(tmp / manifest_name(r, world_size))
+    fsync_dir(tmp)
+    os.rename(tmp, path)
+    fsync_dir(path.parent)
+    if update_latest:
+        write_latest(path.parent, path)
+    if keep_last_n is not None:
+        apply_retention(path.parent, keep_last_n)
+
+
+def _writer_version() -> str:
+    try:
+        return f"moe-ckpt {importlib.metadata.version('moe-ckpt')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "moe-ckpt (not installed)"
+
+
+def _record_error(tmp: Path, rank: int, e: BaseException) -> None:
+    try:
+        if tmp.is_dir():
+            (tmp / f"rank-{rank:05d}.error").write_text("".join(traceback.format_exception_only(e)).strip())
+    except OSError:
+        pass
+
+
+def _read_errors(tmp: Path) -> str:
+    if not tmp.is_dir():
+        return ""
+    return "; ".join(f"{p.stem}: {p.read_text()}" for p in sorted(tmp.glob("rank-*.error")))

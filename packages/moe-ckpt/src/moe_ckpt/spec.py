@@ -1,0 +1,101 @@
+"""What a rank saves (`ShardSpec`) and what it asks back (`LoadRequest`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_ckpt.geometry import Box, FlatRange, Region, check_region
+
+# Names used in index.json (torch's, without the "torch." prefix) and the
+# safetensors dtype codes of the same types.
+_DTYPES: dict[str, tuple[torch.dtype, str]] = {
+    "float64": (torch.float64, "F64"),
+    "float32": (torch.float32, "F32"),
+    "float16": (torch.float16, "F16"),
+    "bfloat16": (torch.bfloat16, "BF16"),
+    "int64": (torch.int64, "I64"),
+    "int32": (torch.int32, "I32"),
+    "int16": (torch.int16, "I16"),
+    "int8": (torch.int8, "I8"),
+    "uint8": (torch.uint8, "U8"),
+    "bool": (torch.bool, "BOOL"),
+    "float8_e4m3fn": (torch.float8_e4m3fn, "F8_E4M3"),
+    "float8_e5m2": (torch.float8_e5m2, "F8_E5M2"),
+}
+_BY_DTYPE = {dt: name for name, (dt, _) in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    if dtype not in _BY_DTYPE:
+        raise TypeError(f"dtype {dtype} is not supported; expected one of {sorted(_DTYPES)}")
+    return _BY_DTYPE[dtype]
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise TypeError(f"dtype name {name!r} is not supported; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[name][0]
+
+
+def safetensors_code(dtype: torch.dtype) -> str:
+    return _DTYPES[dtype_name(dtype)][1]
+
+
+@dataclass
+class ShardSpec:
+    """One piece of one global tensor that this rank holds.
+
+    tensor: the local data, shape `region.lengths` for a Box, [region.length] for a
+        FlatRange (any shape with that many elements is accepted and flattened).
+    region: the part of the global tensor it is; None means the whole tensor.
+    writer: False when another rank writes the same data (replicated tensors: exactly
+        one rank passes writer=True).
+    """
+
+    name: str
+    global_shape: tuple[int, ...]
+    tensor: torch.Tensor
+    region: Region | None = None
+    writer: bool = True
+
+    def __post_init__(self) -> None:
+        self.global_shape = tuple(int(s) for s in self.global_shape)
+        if self.region is None:
+            self.region = Box.whole(self.global_shape)
+        check_region(self.global_shape, self.region, f"tensor {self.name!r}")
+        dtype_name(self.tensor.dtype)
+        if isinstance(self.region, FlatRange):
+            if self.tensor.numel() != self.region.length:
+                raise ValueError(f"tensor {self.name!r}: local data has {self.tensor.numel()} elements, "
+                                 f"its flat range has {self.region.length}")
+        elif tuple(self.tensor.shape) != self.region.lengths:
+            raise ValueError(f"tensor {self.name!r}: local data has shape {tuple(self.tensor.shape)}, "
+                             f"its box {self.region.offsets}+{self.region.lengths} needs {self.region.lengths}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+@dataclass
+class LoadRequest:
+    """The part of one global tensor this rank wants back, in any layout.
+
+    global_shape / dtype: what the caller expects; a mismatch with the checkpoint
+        raises (None skips the check).
+    region: None means the whole tensor.
+    out: optional destination, shape `region.local_shape` (or that many elements for
+        a FlatRange); filled in place and returned.
+    """
+
+    name: str
+    global_shape: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
+    region: Region | None = None
+    out: torch.Tensor | None = field(default=None, repr=False)

@@ -1,0 +1,48 @@
+"""inspect_checkpoint: what a checkpoint holds and which layout wrote it, from JSON alone."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from moe_ckpt.geometry import describe
+from moe_ckpt.index import read_index
+from moe_ckpt.load import load_metadata, resolve
+from moe_ckpt.spec import dtype_from_name
+
+
+def inspect_checkpoint(path: str | Path) -> dict:
+    """{"path", "world_size", "files", "tensors": {name: {shape, dtype, pieces}}, "metadata", "total_bytes"}.
+
+    Reads index.json and metadata.json only; no tensor data.
+    """
+    path = resolve(path)
+    index = read_index(path)
+    tensors = {
+        name: {"shape": list(t.shape), "dtype": t.dtype,
+               "pieces": [f"{p.file}:{describe(p.region)}" for p in t.pieces]}
+        for name, t in index.tensors.items()
+    }
+    total = sum(math.prod(t.shape) * dtype_from_name(t.dtype).itemsize for t in index.tensors.values())
+    return {"path": str(path), "world_size": index.world_size, "files": index.files, "tensors": tensors,
+            "metadata": load_metadata(path), "total_bytes": total}
+
+
+def format_checkpoint(path: str | Path) -> str:
+    """inspect_checkpoint as a human-readable table."""
+    info = inspect_checkpoint(path)
+    meta = info["metadata"]
+    lines = [f"checkpoint {info['path']}: {len(info['tensors'])} tensors, "
+             f"{info['total_bytes'] / 1e9:.3f} GB, written by {info['world_size']} ranks",
+             f"layout: {meta.get('layout', '(not recorded)')}",
+             f"step: {meta.get('step', '(not recorded)')}"]
+    width = max((len(n) for n in info["tensors"]), default=0)
+    for name, t in info["tensors"].items():
+        lines.append(f"  {name:<{width}}  {t['dtype']:<9} {str(tuple(t['shape'])):<20} {len(t['pieces'])} pieces")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(format_checkpoint(sys.argv[1]))

@@ -1,0 +1,110 @@
+"""Shared test state and layouts (imported by the tests, the gloo workers and the crash subprocess)."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+from moe_ckpt import Box, FlatRange, LoadRequest, ShardSpec, even_split
+
+# name -> (global shape, dtype); covers EP stacks, replicated, ZeRO flat, bf16, scalar, empty
+SPECS: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+    "experts.w1": ((8, 6, 5), torch.float32),
+    "attn.w": ((7, 5), torch.float32),
+    "opt.exp_avg.attn.w": ((7, 5), torch.float32),
+    "opt.exp_avg.experts.w1": ((8, 6, 5), torch.float32),
+    "norm.b": ((3,), torch.bfloat16),
+    "step": ((), torch.int64),
+    "empty": ((0, 4), torch.float32),
+}
+
+
+def make_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, (shape, dtype) in SPECS.items():
+        if dtype == torch.int64:
+            out[name] = torch.randint(0, 10_000, shape, generator=g)
+        else:
+            t = torch.randn(shape, generator=g)
+            if t.numel() > 2:  # values where "close" is not "identical"
+                t.view(-1)[0], t.view(-1)[1] = float("nan"), -0.0
+            out[name] = t.to(dtype)
+    return out
+
+
+def shards_for(state: dict[str, torch.Tensor], rank: int, world: int) -> list[ShardSpec]:
+    """Training layout: experts split along dim 0 (EP), params replicated (rank 0 writes),
+    optimizer state and the bias in ZeRO-style flat ranges, scalar replicated."""
+    out = []
+    for name, t in state.items():
+        shape = tuple(t.shape)
+        if name == "experts.w1" or name == "empty":
+            off, n = even_split(shape[0], rank, world)
+            out.append(ShardSpec(name, shape, t[off : off + n], Box.dim0(shape, off, n)))
+        elif name.startswith("opt.") or name == "norm.b":
+            off, n = even_split(t.numel(), rank, world)
+            out.append(ShardSpec(name, shape, t.reshape(-1)[off : off + n], FlatRange(off, n)))
+        else:
+            out.append(ShardSpec(name, shape, t, writer=rank == 0))
+    return out
+
+
+def requests_for(rank: int, world: int, style: str) -> list[LoadRequest]:
+    """A load layout: "dim0" (rows split over world), "flat" (1-D ranges), "whole"."""
+    out = []
+    for name, (shape, dtype) in SPECS.items():
+        if style == "whole" or not shape:
+            region = None
+        elif style == "dim0":
+            region = Box.dim0(shape, *even_split(shape[0], rank, world))
+        else:
+            region = FlatRange(*even_split(math.prod(shape), rank, world))
+        out.append(LoadRequest(name, shape, dtype, region))
+    return out
+
+
+def expected(state: dict[str, torch.Tensor], req: LoadRequest) -> torch.Tensor:
+    t = state[req.name]
+    if req.region is None:
+        return t
+    if isinstance(req.region, FlatRange):
+        return t.reshape(-1)[req.region.start : req.region.start + req.region.length]
+    return t[req.region.slices()]
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bytes (NaN == NaN, -0.0 != 0.0)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def check_load(state: dict[str, torch.Tensor], got: dict[str, torch.Tensor], reqs: list[LoadRequest]) -> None:
+    for r in reqs:
+        assert bits_equal(got[r.name], expected(state, r)), f"{r.name} {r.region} differs"
+
+
+def run_ranks(world: int, fn) -> list:
+    """Run fn(rank, barrier) for every rank on its own thread (ranks simulated in one process)."""
+    bar = threading.Barrier(world, timeout=60)
+    results, errors = [None] * world, []
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(rank, bar.wait)
+        except BaseException as e:
+            errors.append(e)
+            bar.abort()
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+    if real or errors:
+        raise (real or errors)[0]
+    return results

@@ -1,0 +1,155 @@
+"""Hugging Face export / import for moe-train models and checkpoints (the CLI's export-hf / import-hf).
+
+    export_hf("runs/tiny", "out/hf", dtype="bf16")             # a run dir, a checkpoint dir, or a Transformer
+    cfg, state = import_hf("out/hf", "runs/from-hf/init")      # our Config + fp32 state dict (+ files)
+
+A checkpoint directory is, for now, `model.safetensors` (our full state dict by our names) plus
+`config.json` (Config.to_dict()) or the trainer's `state.json` (whose "config" is the same). Other
+layouts plug in through `register_checkpoint_reader` (e.g. moe-ckpt's sharded reader).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from huggingface_hub import HfApi
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from moe_ckpt.hf import ExportSummary, HFConversionError, TensorSource, export_hf_folder, open_hf_folder
+from moe_train.config import Config
+from moe_train.config_io import config_from_dict
+from moe_train.model import Transformer
+
+# A reader takes a path and returns (Config.to_dict(), tensor source), or None when the layout is not its own.
+CheckpointReader = Callable[[Path], "tuple[dict[str, Any], TensorSource] | None"]
+CHECKPOINT_READERS: list[CheckpointReader] = []
+HF_EXTRA_FILE = "hf_extra.json"  # token ids / max length carried from an imported folder to the next export
+
+
+def register_checkpoint_reader(reader: CheckpointReader) -> None:
+    """Try `reader` before the built-in model.safetensors layout (the latest registered first)."""
+    CHECKPOINT_READERS.insert(0, reader)
+
+
+def _resolve_checkpoint(path: Path) -> Path:
+    latest = path / "checkpoints" / "latest"
+    if latest.is_file():  # a run dir: use its newest complete checkpoint
+        return path / "checkpoints" / latest.read_text().strip()
+    return path
+
+
+def _safetensors_reader(path: Path) -> tuple[dict[str, Any], TensorSource] | None:
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        return None
+    if (path / "config.json").is_file():
+        cfg = json.loads((path / "config.json").read_text())
+    elif (path / "state.json").is_file():
+        cfg = json.loads((path / "state.json").read_text()).get("config")
+    else:
+        cfg = None
+    if not isinstance(cfg, dict) or "model" not in cfg:
+        raise HFConversionError(f"checkpoint {str(path)!r}: expected config.json (Config.to_dict()) or a state.json "
+                                "with a 'config' entry beside model.safetensors")
+    handle = safe_open(str(weights), framework="pt")  # lazy: one tensor is read per call
+    return cfg, lambda name: handle.get_tensor(name)
+
+
+def load_checkpoint_source(ckpt: str | Path) -> tuple[Config, TensorSource]:
+    """(Config, lazy tensor source by our names) for a run dir or checkpoint dir."""
+    path = _resolve_checkpoint(Path(ckpt))
+    for reader in [*CHECKPOINT_READERS, _safetensors_reader]:
+        found = reader(path)
+        if found is not None:
+            return config_from_dict(found[0]), found[1]
+    raise HFConversionError(f"checkpoint {str(path)!r}: no reader recognises it (expected model.safetensors + "
+                            "config.json, a run dir with checkpoints/latest, or a registered reader's layout)")
+
+
+def _data_tokenizer(cfg: Config) -> tuple[Path | None, dict[str, Any]]:
+    """tokenizer.json and eos id of a prepared data folder (`prepare-data` writes both), if there is one."""
+    folder = Path(cfg.data.path)
+    meta = folder / "meta.json"
+    if cfg.data.path == "default" or not meta.is_file():
+        return None, {}
+    info = json.loads(meta.read_text())
+    tok = folder / info.get("tokenizer", "tokenizer.json")
+    return (tok if tok.is_file() else None), ({"eos_token_id": info["eos_id"]} if "eos_id" in info else {})
+
+
+def export_hf(
+    source: str | Path | Transformer,
+    out_dir: str | Path,
+    *,
+    dtype: str = "bf16",
+    push_to_hub: str | None = None,
+    private: bool = True,
+    tokenizer_json: str | Path | None = None,
+    extra_config: dict[str, Any] | None = None,
+    max_shard_bytes: int | None = None,
+    allow_benchmark_routing: bool = False,
+) -> ExportSummary:
+    """Export a Transformer, a checkpoint dir or a run dir to a Hugging Face folder; optionally upload it.
+
+    dtype: bf16 | fp32. tokenizer_json / extra_config default to the data folder's tokenizer and eos id
+    and to the checkpoint's hf_extra.json (written by import_hf).
+    """
+    extra: dict[str, Any] = {}
+    if isinstance(source, Transformer):
+        model_dict: dict[str, Any] = dataclasses.asdict(source.cfg)
+        tensors: TensorSource = source.state_dict()
+    else:
+        cfg, tensors = load_checkpoint_source(source)
+        model_dict = cfg.to_dict()["model"]
+        data_tok, extra = _data_tokenizer(cfg)
+        tokenizer_json = tokenizer_json or data_tok
+        extra_file = _resolve_checkpoint(Path(source)) / HF_EXTRA_FILE
+        if extra_file.is_file():
+            extra.update(json.loads(extra_file.read_text()))
+    extra.update(extra_config or {})
+    kwargs = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
+    summary = export_hf_folder(model_dict, tensors, out_dir, dtype=dtype, tokenizer_json=tokenizer_json,
+                               extra_config=extra, allow_benchmark_routing=allow_benchmark_routing, **kwargs)
+    if push_to_hub:
+        push_folder(out_dir, push_to_hub, private=private)
+    return summary
+
+
+def push_folder(folder: str | Path, repo_id: str, *, private: bool = True) -> None:
+    """Create (if needed) and upload to a Hub model repo; credentials come from huggingface_hub's usual login."""
+    api = HfApi()
+    api.create_repo(repo_id=repo_id, repo_type="model", private=private, exist_ok=True)
+    api.upload_folder(repo_id=repo_id, repo_type="model", folder_path=str(folder),
+                      commit_message="Upload model exported by moe-train")
+
+
+def import_hf(
+    folder: str | Path, out_dir: str | Path | None = None, *, base: Config | None = None
+) -> tuple[Config, dict[str, torch.Tensor]]:
+    """A Hugging Face folder -> (Config, fp32 state dict by our names), checked tensor by tensor.
+
+    base: the Config whose data / train / parallel sections (and training-only model fields) are kept.
+    out_dir: also write model.safetensors + config.json (+ hf_extra.json), a checkpoint export_hf reads.
+    """
+    hf = open_hf_folder(folder)
+    merged = (base or Config()).to_dict()
+    router = {**merged["model"]["router"], **hf.model_config["router"]} if "router" in hf.model_config else None
+    merged["model"].update({k: v for k, v in hf.model_config.items() if k != "router"})
+    if router is not None:
+        merged["model"]["router"] = router
+    cfg = config_from_dict(merged)
+    state = dict(hf.tensors())
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        unique = {k: v for k, v in state.items() if not (k == "lm_head.weight" and cfg.model.tie_embeddings)}
+        save_file({k: v.contiguous() for k, v in unique.items()}, str(out / "model.safetensors"))
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        (out / HF_EXTRA_FILE).write_text(json.dumps(hf.extra_config, indent=2) + "\n")
+    return cfg, state

@@ -1,0 +1,147 @@
+"""Exported folders load in stock transformers (no trust_remote_code) and compute our function exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from moe_ckpt.hf import HFConversionError, export_hf_folder
+from moe_train.config import Config, ModelConfig, RouterConfig, validate
+from moe_train.model import Transformer
+
+transformers = pytest.importorskip("transformers")
+
+BASE = dict(vocab_size=96, d_model=48, num_layers=3, num_heads=4, num_kv_heads=2, dense_hidden=80, num_experts=6,
+            expert_hidden=24, init_std=0.08, rope_theta=5000.0, norm_eps=1e-5)
+
+VARIANTS = {
+    "qwen3_moe": dict(qk_norm=True, dense_layers=[1], router=dict(top_k=2)),
+    "qwen3_moe_no_renorm": dict(qk_norm=True, router=dict(top_k=3, normalize_top_k=False)),
+    "qwen2_moe_shared": dict(qk_norm=False, dense_layers=[0], shared_expert_hidden=40, head_dim=16,
+                             router=dict(top_k=2)),
+    "qwen2_moe_routed_only": dict(qk_norm=False, tie_embeddings=True, router=dict(top_k=2, normalize_top_k=False)),
+    "glm4_moe_shared_bias": dict(qk_norm=True, dense_layers=[0], shared_expert_hidden=48,
+                                 router=dict(gating="sigmoid", top_k=2, expert_bias=True)),
+    "glm4_moe_plain": dict(qk_norm=False, router=dict(gating="sigmoid", top_k=2, normalize_top_k=False)),
+    "qwen3_dense": dict(qk_norm=True, num_experts=0),
+    "llama_dense": dict(qk_norm=False, num_experts=0, tie_embeddings=True),
+}
+ARCHS = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+         "qwen3_dense": "Qwen3ForCausalLM", "llama_dense": "LlamaForCausalLM"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny GEMMs: one thread is ~10x faster than two on a busy 2-core CI machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_model(seed: int = 0, **overrides) -> Transformer:
+    """A tiny fp32 model with non-trivial norms, routers and expert biases (so a wrong mapping shows)."""
+    kw = {**BASE, **overrides}
+    router = RouterConfig(**kw.pop("router", {}))
+    cfg = validate(Config(model=ModelConfig(router=router, **kw))).model
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+        for _, router_mod in model.routers():
+            router_mod.expert_bias.copy_(0.1 * torch.randn_like(router_mod.expert_bias))
+    return model.eval()
+
+
+def export(model: Transformer, out, dtype: str = "fp32", **kw):
+    return export_hf_folder(dataclasses.asdict(model.cfg), model.state_dict(), out, dtype=dtype, **kw)
+
+
+def load_hf(folder):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def greedy(model: Transformer, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    for _ in range(steps):
+        logits, _ = model(ids)
+        ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_transformers_logits_and_greedy_match_ours(variant, tmp_path):
+    model = make_model(**VARIANTS[variant])
+    summary = export(model, tmp_path)
+    assert summary.architecture == next(a for k, a in ARCHS.items() if variant.startswith(k))
+    hf = load_hf(tmp_path)
+    assert type(hf).__name__ == summary.architecture
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, _ = model(tokens)
+        theirs = hf(tokens).logits
+    assert (ours - theirs).abs().max().item() <= 1e-4
+    prompt = tokens[:1, :5]
+    with torch.no_grad():
+        generated = hf.generate(prompt, max_new_tokens=16, do_sample=False, min_new_tokens=16)
+    assert torch.equal(generated, greedy(model, prompt, 16))
+
+
+def test_bf16_export_loads_close_to_ours(tmp_path):
+    model = make_model(**VARIANTS["glm4_moe_shared_bias"])
+    summary = export(model, tmp_path, dtype="bf16")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    assert summary.total_bytes < 0.6 * sum(t.numel() * 4 for t in model.state_dict().values())
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        diff = (model(tokens)[0] - hf(tokens).logits).abs().max().item()
+    assert diff < 0.1  # bf16 weights: close, not exact
+
+
+def test_sharded_export_writes_an_index_transformers_reads(tmp_path):
+    model = make_model(**VARIANTS["qwen3_moe"])
+    summary = export(model, tmp_path, max_shard_bytes=64 * 1024)
+    assert summary.shards > 2 and (tmp_path / "model.safetensors.index.json").is_file()
+    assert not (tmp_path / "model.safetensors").exists()
+    tokens = torch.arange(10).view(1, 10)
+    with torch.no_grad():
+        assert (model(tokens)[0] - load_hf(tmp_path)(tokens).logits).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (dict(qk_norm=True, shared_expert_hidden=24, router=dict(top_k=2)), "softmax gating + shared expert"),
+    (dict(qk_norm=True, router=dict(top_k=2, expert_bias=True)), "router.expert_bias=True with softmax"),
+    (dict(dense_layers=[1], router=dict(gating="sigmoid", top_k=2)), "dense_layers=[1] with sigmoid"),
+    (dict(shared_expert_hidden=36, router=dict(gating="sigmoid", top_k=2)), "shared_expert_hidden=36"),
+    (dict(qk_norm=True, router=dict(top_k=2, routing="random")), "router.routing='random'"),
+])
+def test_unsupported_features_are_refused_by_name(overrides, message, tmp_path):
+    model = make_model(**overrides)
+    with pytest.raises(HFConversionError, match=message.replace("[", r"\[").replace("]", r"\]")
+                       .replace("+", r"\+")):
+        export(model, tmp_path)
+
+
+def test_benchmark_routing_exports_when_allowed(tmp_path):
+    model = make_model(qk_norm=True, router=dict(top_k=2, routing="uniform"))
+    assert export(model, tmp_path, allow_benchmark_routing=True).architecture == "Qwen3MoeForCausalLM"
+
+
+def test_missing_source_tensor_and_wrong_shape_are_named(tmp_path):
+    model = make_model(**VARIANTS["qwen3_moe"])
+    state = model.state_dict()
+    m = dataclasses.asdict(model.cfg)
+    partial = {k: v for k, v in state.items() if k != "blocks.2.mlp.experts.w_down"}
+    with pytest.raises(HFConversionError, match="blocks.2.mlp.experts.w_down"):
+        export_hf_folder(m, partial, tmp_path)
+    bad = dict(state)
+    bad["blocks.0.attn.q_proj.weight"] = torch.zeros(3, 3)
+    with pytest.raises(HFConversionError, match=r"blocks.0.attn.q_proj.weight has shape \[3, 3\], expected \[48, 48\]"):
+        export_hf_folder(m, bad, tmp_path)

@@ -1,0 +1,164 @@
+"""HF -> ours -> HF is bit-identical; broken folders are refused naming the tensor; push and tokenizer wiring."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moe_ckpt.hf import HFConversionError, export_hf_folder, open_hf_folder
+from moe_train import hf_bridge
+from moe_train.config import Config, ModelConfig, RouterConfig, validate
+from moe_train.hf_bridge import export_hf, import_hf
+from moe_train.model import Transformer
+
+transformers = pytest.importorskip("transformers")
+
+BASE = dict(vocab_size=64, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2, dense_hidden=48, num_experts=4,
+            expert_hidden=16, init_std=0.08)
+VARIANTS = {
+    "qwen3_moe": dict(qk_norm=True, dense_layers=[2], router=dict(top_k=2)),
+    "qwen2_moe": dict(qk_norm=False, shared_expert_hidden=24, dense_layers=[0], router=dict(top_k=2)),
+    "glm4_moe": dict(qk_norm=True, shared_expert_hidden=16, dense_layers=[0],
+                     router=dict(gating="sigmoid", top_k=2, expert_bias=True)),
+    "llama": dict(num_experts=0, tie_embeddings=True),
+}
+
+
+def make_model(**overrides) -> Transformer:
+    kw = {**BASE, **overrides}
+    cfg = validate(Config(model=ModelConfig(router=RouterConfig(**kw.pop("router", {})), **kw))).model
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn_like(p))
+        for _, r in model.routers():
+            r.expert_bias.copy_(0.1 * torch.randn_like(r.expert_bias))
+    return model
+
+
+def folder_contents(folder) -> tuple[dict, dict[str, torch.Tensor]]:
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("model*.safetensors")):
+        tensors.update(load_file(str(f)))
+    return json.loads((folder / "config.json").read_text()), tensors
+
+
+def assert_identical(a, b) -> None:
+    cfg_a, ta = folder_contents(a)
+    cfg_b, tb = folder_contents(b)
+    assert cfg_a == cfg_b
+    assert sorted(ta) == sorted(tb)
+    for name in ta:
+        assert ta[name].dtype == tb[name].dtype and torch.equal(ta[name], tb[name]), name
+    assert (a / "generation_config.json").read_text() == (b / "generation_config.json").read_text()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_hf_to_ours_to_hf_is_bit_identical(variant, dtype, tmp_path):
+    model = make_model(**VARIANTS[variant])
+    first, ckpt, second = tmp_path / "a", tmp_path / "ckpt", tmp_path / "b"
+    export_hf(model, first, dtype=dtype, extra_config={"eos_token_id": 3, "max_position_embeddings": 256})
+    cfg, state = import_hf(first, ckpt)
+    assert cfg.model.num_experts == model.cfg.num_experts and cfg.model.router.gating == model.cfg.router.gating
+    if dtype == "fp32":  # our tensors come back exactly, and load strictly into a fresh model
+        for name, t in model.state_dict().items():
+            assert torch.equal(state[name], t), name
+        Transformer(cfg.model).load_state_dict(state, strict=True)
+    export_hf(ckpt, second, dtype=dtype)
+    assert_identical(first, second)
+
+
+def test_transformers_saved_folder_round_trips(tmp_path):
+    """A folder written by transformers itself (Qwen3-MoE, random init) comes back bit for bit."""
+    hf_cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=True)
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(hf_cfg).save_pretrained(tmp_path / "native")
+    cfg, state = import_hf(tmp_path / "native", tmp_path / "ckpt")
+    export_hf(tmp_path / "ckpt", tmp_path / "again", dtype="fp32")
+    native_cfg, native = folder_contents(tmp_path / "native")
+    ours_cfg, again = folder_contents(tmp_path / "again")
+    assert sorted(native) == sorted(again)
+    assert all(torch.equal(native[k], again[k]) for k in native)
+    for key, value in ours_cfg.items():
+        if key not in ("dtype", "initializer_range", "router_aux_loss_coef", "use_cache", "sliding_window"):
+            assert native_cfg.get(key, value) == value, key
+
+
+def test_learned_shared_expert_gate_is_refused(tmp_path):
+    hf_cfg = transformers.Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                         shared_expert_intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
+                                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, qkv_bias=False)
+    transformers.Qwen2MoeForCausalLM(hf_cfg).save_pretrained(tmp_path)
+    with pytest.raises(HFConversionError, match="model.layers.0.mlp.shared_expert_gate.weight is not all zeros"):
+        import_hf(tmp_path)
+
+
+def test_unrepresentable_hf_config_is_refused(tmp_path):
+    export_hf(make_model(**VARIANTS["qwen2_moe"]), tmp_path, dtype="fp32")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "qkv_bias": True}))
+    with pytest.raises(HFConversionError, match="qkv_bias=True: expected false"):
+        open_hf_folder(tmp_path)
+
+
+def test_missing_mismatched_and_unexpected_tensors_are_named(tmp_path):
+    export_hf(make_model(**VARIANTS["glm4_moe"]), tmp_path, dtype="fp32")
+    path = tmp_path / "model.safetensors"
+    good = load_file(str(path))
+    missing = {k: v for k, v in good.items() if k != "model.layers.1.mlp.experts.3.up_proj.weight"}
+    save_file(missing, str(path), metadata={"format": "pt"})
+    with pytest.raises(HFConversionError, match=r"tensor model.layers.1.mlp.experts.3.up_proj.weight \(shape \[16, 32\]\) is missing"):
+        open_hf_folder(tmp_path)
+    save_file({**good, "model.layers.2.self_attn.k_proj.weight": torch.zeros(8, 32)}, str(path), metadata={"format": "pt"})
+    with pytest.raises(HFConversionError, match=r"k_proj.weight has shape \[8, 32\], expected \[16, 32\]"):
+        open_hf_folder(tmp_path)
+    save_file({**good, "model.layers.0.mlp.bias": torch.zeros(2)}, str(path), metadata={"format": "pt"})
+    with pytest.raises(HFConversionError, match="tensor model.layers.0.mlp.bias .* no counterpart"):
+        open_hf_folder(tmp_path)
+
+
+def test_push_to_hub_creates_and_uploads_the_folder(tmp_path, monkeypatch):
+    calls = []
+
+    class FakeApi:
+        def create_repo(self, **kw):
+            calls.append(("create_repo", kw))
+
+        def upload_folder(self, **kw):
+            calls.append(("upload_folder", kw))
+
+    monkeypatch.setattr(hf_bridge, "HfApi", FakeApi)
+    export_hf(make_model(**VARIANTS["llama"]), tmp_path, push_to_hub="me/tiny-moe")
+    assert calls[0] == ("create_repo", {"repo_id": "me/tiny-moe", "repo_type": "model", "private": True,
+                                        "exist_ok": True})
+    assert calls[1][0] == "upload_folder"
+    assert calls[1][1]["repo_id"] == "me/tiny-moe" and calls[1][1]["folder_path"] == str(tmp_path)
+
+
+def test_tokenizer_files_load_with_auto_tokenizer(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=60, special_tokens=["<|endoftext|>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world, mixture of experts"] * 20, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    model = make_model(vocab_size=tok.get_vocab_size() + 4, num_experts=0)
+    export_hf_folder(dataclasses.asdict(model.cfg), model.state_dict(), tmp_path / "hf",
+                     tokenizer_json=tmp_path / "tokenizer.json", extra_config={"eos_token_id": 0})
+    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert auto("hello world")["input_ids"] == tok.encode("hello world").ids
+    assert auto.eos_token == "<|endoftext|>"
