@@ -51,3 +51,18 @@ def test_prepare_data_command(tmp_path):
     r = run_cli("prepare-data", str(src), "--out", str(tmp_path / "d"), "--vocab-size", "300")
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "d" / "meta.json").read_text())["vocab_size"] <= 300
+
+
+def test_inspect_lists_tensors_and_layout(tmp_path, data_dir, make_config, capsys):
+    from moe_train.trainer.loop import Trainer
+
+    cfg = make_config(tmp_path, steps=1, eval_interval=0, save_interval=1)
+    cfg.data.path = str(data_dir)
+    Trainer(cfg).train()
+    assert main(["inspect", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "blocks.1.mlp.experts.w_gate_up" in out and "optim.step" in out and "LocalRuntime" in out
+
+
+def test_inspect_of_a_missing_checkpoint_exits_2(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "nothing")]) == 2

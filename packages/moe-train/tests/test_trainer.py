@@ -2,6 +2,8 @@ import json
 
 import torch
 
+from moe_ckpt import find_latest, list_checkpoints
+
 from moe_train.trainer.loop import Trainer
 
 
@@ -20,7 +22,7 @@ def test_training_logs_checkpoints_and_resumes_bit_identically(tmp_path, data_di
     cfg.train.run_dir = str(tmp_path / "split")
     cfg.train.steps = 3
     Trainer(cfg).train()
-    assert (tmp_path / "split" / "checkpoints" / "latest").read_text() == "step-000003"
+    assert find_latest(tmp_path / "split" / "checkpoints").name == "step-00000003"
     cfg.train.steps = 6
     summary = Trainer(cfg).train()
     assert summary["step"] == 6
@@ -30,8 +32,8 @@ def test_training_logs_checkpoints_and_resumes_bit_identically(tmp_path, data_di
     router = next(r["router"] for r in records if r.get("router"))
     assert set(router["layer1"]) >= {"f", "P", "max_over_mean_load", "dead_experts", "topk_margin"}
     assert any(r.get("event") == "start" and r["resumed_from_step"] == 3 for r in records)
-    ckpts = sorted(p.name for p in (tmp_path / "split" / "checkpoints").iterdir() if p.is_dir())
-    assert ckpts == ["step-000003", "step-000006"]
+    ckpts = [p.name for p in list_checkpoints(tmp_path / "split" / "checkpoints")]
+    assert ckpts == ["step-00000003", "step-00000006"]
 
 
 def test_nan_loss_stops_with_a_clear_error(tmp_path, data_dir, make_config):
@@ -46,3 +48,27 @@ def test_nan_loss_stops_with_a_clear_error(tmp_path, data_dir, make_config):
         assert "non-finite for 2 consecutive steps" in str(e)
     else:
         raise AssertionError("a NaN loss must stop the run")
+
+
+def test_async_save_resumes_like_sync_save(tmp_path, data_dir, make_config):
+    cfg = make_config(tmp_path, steps=3, async_save=True, eval_interval=0)
+    cfg.data.path = str(data_dir)
+    Trainer(cfg).train()
+    cfg.train.steps = 4
+    assert Trainer(cfg).train()["step"] == 4
+    records = read_metrics(tmp_path / "run")
+    assert any(r.get("event") == "async_save" and r["stall_s"] >= 0 for r in records)
+
+
+def test_resume_into_a_different_model_names_the_tensor_and_shapes(tmp_path, data_dir, make_config):
+    cfg = make_config(tmp_path, steps=1, eval_interval=0, save_interval=1)
+    cfg.data.path = str(data_dir)
+    Trainer(cfg).train()
+    cfg.model.expert_hidden = 24
+    cfg.train.steps = 2
+    try:
+        Trainer(cfg).train()
+    except Exception as e:  # moe_ckpt.ShapeMismatchError
+        assert "experts.w_gate_up" in str(e) and "48" in str(e) and "32" in str(e), str(e)
+    else:
+        raise AssertionError("resuming into a different model must fail")

@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 
+from moe_ckpt import CheckpointError
 from moe_train.config import ConfigError
 from moe_train.config_io import build_config, parse_overrides
 
@@ -36,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("import-hf", help="import a Hugging Face folder into our checkpoint format")
     s.add_argument("folder")
     s.add_argument("out")
+    s = sub.add_parser("inspect", help="list a checkpoint's tensors, shapes and the layout that wrote it")
+    s.add_argument("checkpoint", help="a checkpoint folder, a run's checkpoints/ folder or a run folder")
     s = sub.add_parser("prepare-data", help="tokenize text files into a data folder")
     s.add_argument("inputs", nargs="*", help="text files or folders (default: the Python standard library)")
     s.add_argument("--out", required=True)
@@ -84,6 +87,35 @@ def _cmd_prepare(args) -> None:
     print(f"wrote {out}")
 
 
+def _cmd_inspect(args) -> None:
+    from pathlib import Path
+
+    from moe_ckpt import format_checkpoint
+
+    path = Path(args.checkpoint)
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    print(format_checkpoint(path))
+
+
+ALIASES = {"--resume": "--train.resume=true", "--no-resume": "--train.resume=false"}
+SHORT_KEYS = {"--save-interval": "--train.save_interval", "--steps": "--train.steps", "--run-dir": "--train.run_dir"}
+
+
+def expand_aliases(rest: list[str]) -> list[str]:
+    """`--resume`, `--save-interval N` and friends as shorthands of dotted overrides."""
+    out = []
+    for arg in rest:
+        key, eq, value = arg.partition("=")
+        if arg in ALIASES:
+            out.append(ALIASES[arg])
+        elif key in SHORT_KEYS:
+            out.append(SHORT_KEYS[key] + eq + value)
+        else:
+            out.append(arg)
+    return out
+
+
 def _cmd_hf(args) -> None:
     from moe_train.hf_bridge import export_hf, import_hf
 
@@ -100,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args, rest = _parser().parse_known_args(argv)
     try:
+        if args.command == "inspect":
+            _cmd_inspect(args)
+            return 0
         if args.command in ("export-hf", "import-hf"):
             if rest:
                 raise ConfigError(f"unknown arguments {rest}")
@@ -110,14 +145,14 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"unknown arguments {rest}")
             _cmd_prepare(args)
             return 0
-        cfg = build_config(args.preset, args.config, parse_overrides(rest))
+        cfg = build_config(args.preset, args.config, parse_overrides(expand_aliases(rest)))
         if args.command == "train":
             _cmd_train(cfg)
         elif args.command == "info":
             _cmd_info(cfg)
         else:
             _cmd_bench(cfg, args)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, CheckpointError) as e:
         print(f"moe-train: error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:

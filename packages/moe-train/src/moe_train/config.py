@@ -89,6 +89,7 @@ class TrainConfig:
     log_interval: int = 10
     save_interval: int = 100
     keep_last: int = 2
+    async_save: bool = False  # snapshot to host memory, write in a background thread
     run_dir: str = "runs/default"
     resume: bool = True  # continue from run_dir's latest checkpoint when one exists
     device: str = "auto"  # auto | cpu | cuda

@@ -1,67 +1,80 @@
-"""Local checkpoints of the trainer: safetensors for tensors, JSON for the rest, renamed when complete.
+"""Trainer checkpoints through moe-ckpt: global tensors that resume on any parallel layout.
 
-Layout of a run folder:  <run_dir>/checkpoints/step-000100/{model.safetensors, optim.safetensors, state.json}
-                         <run_dir>/checkpoints/latest  (text: the name of the newest complete checkpoint)
+<run_dir>/checkpoints/step-XXXXXXXX/  one safetensors file per rank + index.json + metadata,
+written under a temporary name and renamed when complete; `latest` names the newest complete one.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from torch import nn
+
+from moe_ckpt import (
+    AsyncCheckpointer, Box, FlatRange, LoadRequest, ShardSpec, find_latest, load_checkpoint, load_metadata,
+    save_checkpoint, step_dir,
+)
+from moe_train.trainer.runtime import CheckpointShard, Runtime, Slice
 
 
-class CheckpointError(RuntimeError):
-    pass
+def checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _region(sl: Slice) -> Box | FlatRange:
+    if hasattr(sl, "start"):  # a flat range of the flattened global tensor
+        return FlatRange(int(sl.start), int(sl.length))
+    return Box(tuple(o for o, _ in sl), tuple(n for _, n in sl))
 
 
-def save_local(run_dir: str | Path, step: int, model: dict[str, torch.Tensor], optim: dict[str, torch.Tensor],
-               state: dict[str, Any], keep_last: int) -> Path:
-    root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    name = f"step-{step:06d}"
-    tmp = root / f"{name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file({k: v.detach().contiguous().cpu() for k, v in model.items()}, str(tmp / "model.safetensors"))
-    save_file({k: v.detach().contiguous().cpu() for k, v in optim.items()}, str(tmp / "optim.safetensors"))
-    _write_text_atomic(tmp / "state.json", json.dumps(state, indent=2))
-    final = root / name
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _write_text_atomic(root / "latest", name)
-    done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and not p.name.endswith(".tmp"))
-    for old in done[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+def _buffer_shards(model: nn.Module, rank: int) -> list[CheckpointShard]:
+    """Persistent buffers (e.g. the routers' expert bias): replicated, written by rank 0."""
+    params = {n for n, _ in model.named_parameters()}
+    out = []
+    for name, t in model.state_dict().items():
+        if name not in params:
+            out.append(CheckpointShard(name, tuple(t.shape), tuple((0, n) for n in t.shape), t, rank == 0))
+    return out
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    pointer = Path(run_dir) / "checkpoints" / "latest"
-    if not pointer.is_file():
-        return None
-    path = pointer.parent / pointer.read_text().strip()
-    return path if (path / "state.json").is_file() else None
+def all_shards(runtime: Runtime, model: nn.Module) -> list[CheckpointShard]:
+    return runtime.checkpoint_shards() + _buffer_shards(model, runtime.rank)
 
 
-def load_local(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
-    for f in ("model.safetensors", "optim.safetensors", "state.json"):
-        if not (path / f).is_file():
-            raise CheckpointError(f"checkpoint {path} is missing {f}")
-    return load_file(str(path / "model.safetensors")), load_file(str(path / "optim.safetensors")), json.loads(
-        (path / "state.json").read_text()
-    )
+def save(run_dir: str | Path, step: int, runtime: Runtime, model: nn.Module, metadata: dict[str, Any],
+         keep_last: int, async_saver: AsyncCheckpointer | None = None, barrier=None) -> Path:
+    """Every rank calls this; each writes only what it owns. Returns the checkpoint's path."""
+    specs = [ShardSpec(s.global_name, s.global_shape, s.tensor.detach(), _region(s.slice), writer=s.is_writer)
+             for s in all_shards(runtime, model)]
+    path = step_dir(checkpoint_root(run_dir), step)
+    barrier = barrier or runtime.barrier
+    if async_saver is not None:
+        async_saver.save(path, specs, metadata, runtime.rank, runtime.world_size, barrier, keep_last_n=keep_last)
+    else:
+        save_checkpoint(path, specs, metadata, runtime.rank, runtime.world_size, barrier, keep_last_n=keep_last)
+    return path
+
+
+def latest(run_dir: str | Path) -> Path | None:
+    root = checkpoint_root(run_dir)
+    return find_latest(root) if root.is_dir() else None
+
+
+def load(path: Path, runtime: Runtime, model: nn.Module) -> dict[str, Any]:
+    """Read exactly the slices this rank now owns (any layout may have written them); returns metadata."""
+    shards = all_shards(runtime, model)
+    names = [s.global_name for s in shards]
+    if len(set(names)) != len(names):
+        raise RuntimeError("a rank holds two slices of one tensor; the checkpoint reader expects one")
+    # dtype unchecked: resident weights may be bf16 on one layout and fp32 on another; copy_ casts.
+    requests = [LoadRequest(s.global_name, s.global_shape, None, _region(s.slice)) for s in shards]
+    data = load_checkpoint(path, requests, device=runtime.device)
+    runtime.load_checkpoint_shards(lambda name, _slice: data[name])
+    params = {n for n, _ in model.named_parameters()}
+    with torch.no_grad():
+        for s in shards:
+            if s.global_name not in params and not s.global_name.startswith("optim."):
+                s.tensor.copy_(data[s.global_name].reshape(s.tensor.shape))
+    return load_metadata(path)

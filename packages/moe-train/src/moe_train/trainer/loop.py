@@ -14,6 +14,7 @@ from tqdm import tqdm
 from moe_train.config import Config, ConfigError, validate
 from moe_train.data import WindowSampler, eval_batches, open_data
 from moe_train.model import Transformer, count_params, flops_per_token
+from moe_ckpt import AsyncCheckpointer, capture_rng_state, restore_rng_state
 from moe_train.trainer import checkpoint as ckpt
 from moe_train.trainer.data_setup import resolve_data_dir
 from moe_train.trainer.metrics import MetricsLog, peak_memory_gib, router_health
@@ -60,6 +61,14 @@ class Trainer:
         self.autocast = self.device.type == "cuda" and t.autocast_bf16
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak = peak_tflops(self.device)
+        self.async_saver = AsyncCheckpointer() if t.async_save else None
+        self.save_barrier = None
+        if t.async_save and rt.world_size > 1:
+            import torch.distributed as dist
+
+            # the background writer's barrier must not interleave with training collectives
+            group = dist.new_group(backend="gloo")
+            self.save_barrier = lambda: dist.barrier(group=group)
 
     # -- pieces -----------------------------------------------------------------------------
     def _amp(self):
@@ -109,37 +118,29 @@ class Trainer:
             router.update_expert_bias(self.runtime.all_reduce_sum(router.step_load.clone()))
 
     # -- checkpoints ------------------------------------------------------------------------
-    def _state(self) -> dict[str, Any]:
+    def _metadata(self) -> dict[str, Any]:
+        p = self.cfg.parallel
         return {
             "step": self.step, "skipped_steps": self.skipped_steps, "sampler": self.sampler.state_dict(),
-            "config": self.cfg.to_dict(), "torch_rng": torch.get_rng_state().tolist(),
-            "cuda_rng": torch.cuda.get_rng_state().tolist() if self.device.type == "cuda" else None,
+            "config": self.cfg.to_dict(), "rng": capture_rng_state(),
+            "layout": {"world_size": self.runtime.world_size, "dp": p.dp, "ep": p.ep, "pp": p.pp,
+                       "strategy": p.strategy, "runtime": type(self.runtime).__name__},
         }
 
-    def save(self) -> Path | None:
-        if self.runtime.world_size != 1:
-            raise TrainingError("local checkpoints support one process; distributed runs use moe-ckpt")
-        return ckpt.save_local(self.run_dir, self.step, self.model.state_dict(), self.runtime.optimizer_state(),
-                               self._state(), self.cfg.train.keep_last)
+    def save(self) -> Path:
+        return ckpt.save(self.run_dir, self.step, self.runtime, self.model, self._metadata(),
+                         self.cfg.train.keep_last, self.async_saver, self.save_barrier)
 
     def maybe_resume(self) -> bool:
-        path = ckpt.latest_checkpoint(self.run_dir)
-        if path is None or not self.cfg.train.resume:
+        path = ckpt.latest(self.run_dir) if self.cfg.train.resume else None
+        if path is None:
             return False
-        model_sd, optim_sd, state = ckpt.load_local(path)
-        saved = state["config"]["model"]
-        now = self.cfg.to_dict()["model"]
-        diff = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
-        if diff:
-            raise ckpt.CheckpointError(f"checkpoint {path} was written for a different model: {diff} (saved, now)")
-        self.model.load_state_dict(model_sd)
-        self.runtime.load_optimizer_state(optim_sd)
-        self.step = int(state["step"])
-        self.skipped_steps = int(state["skipped_steps"])
-        self.sampler.load_state_dict(state["sampler"])
-        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
-        if state.get("cuda_rng") is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state(torch.tensor(state["cuda_rng"], dtype=torch.uint8))
+        meta = ckpt.load(path, self.runtime, self.model)
+        self.step = int(meta["step"])
+        self.skipped_steps = int(meta["skipped_steps"])
+        self.sampler.load_state_dict(meta["sampler"])
+        if meta["layout"]["world_size"] == self.runtime.world_size:
+            restore_rng_state(meta["rng"])  # another layout draws its own random streams
         return True
 
     # -- the loop ---------------------------------------------------------------------------
@@ -195,6 +196,10 @@ class Trainer:
             if t.save_interval > 0 and (self.step % t.save_interval == 0 or self.step == t.steps):
                 self.save()
         bar.close()
+        if self.async_saver is not None:
+            stats = self.async_saver.wait()
+            if stats is not None:
+                self.log.write({"event": "async_save", "stall_s": stats.stall_s, "write_s": stats.write_s})
         summary = {"step": self.step, "first_eval_loss": first_eval, "last_eval_loss": last_eval,
                    "last_loss": record.get("loss"), "skipped_steps": self.skipped_steps}
         self.log.write({"event": "end", **summary})

@@ -7,8 +7,9 @@ implements the same calls.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -21,6 +22,30 @@ from moe_train.trainer.schedule import param_groups
 class StepResult:
     grad_norm: float
     skipped: bool  # non-finite gradients: the update was not applied
+
+
+class FlatRange(NamedTuple):
+    """Elements [start, start + length) of the row-major flattened global tensor."""
+
+    start: int
+    length: int
+
+
+Slice = tuple[tuple[int, int], ...] | FlatRange  # per-dim (offset, length), or a flat range
+
+
+class CheckpointShard(NamedTuple):
+    """One tensor (or part of one) this rank holds; is_writer: the one rank that writes it.
+
+    Names: model parameters by their full-model name (global shapes, e.g. experts [E, ...]);
+    optimizer state as optim.{param}.master / .exp_avg / .exp_avg_sq, and optim.step.
+    """
+
+    global_name: str
+    global_shape: tuple[int, ...]
+    slice: Slice
+    tensor: torch.Tensor
+    is_writer: bool
 
 
 class Runtime(Protocol):
@@ -40,9 +65,9 @@ class Runtime(Protocol):
 
     def barrier(self) -> None: ...
 
-    def optimizer_state(self) -> dict[str, torch.Tensor]: ...
+    def checkpoint_shards(self) -> list[CheckpointShard]: ...
 
-    def load_optimizer_state(self, state: dict[str, torch.Tensor]) -> None: ...
+    def load_checkpoint_shards(self, read_fn: Callable[[str, Slice], torch.Tensor]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -93,28 +118,41 @@ class LocalRuntime:
     def barrier(self) -> None:
         pass
 
-    def optimizer_state(self) -> dict[str, torch.Tensor]:
-        """AdamW moments and step counts keyed by parameter name (global, unsharded tensors)."""
-        assert self.model is not None and self.optimizer is not None
-        out: dict[str, torch.Tensor] = {}
+    def _adam_state(self, p: torch.Tensor) -> dict:
+        assert self.optimizer is not None
+        st = self.optimizer.state[p]
+        if not st:
+            st.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
+                      exp_avg_sq=torch.zeros_like(p))
+        return st
+
+    def checkpoint_shards(self) -> list[CheckpointShard]:
+        """Everything is whole on one process; the master weight is the parameter itself."""
+        assert self.model is not None
+        out: list[CheckpointShard] = []
+        step = torch.zeros(())
         for name, p in self.model.named_parameters():
-            st = self.optimizer.state.get(p)
-            if st:
-                out[f"{name}.exp_avg"] = st["exp_avg"]
-                out[f"{name}.exp_avg_sq"] = st["exp_avg_sq"]
-                out[f"{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1)
+            whole = tuple((0, n) for n in p.shape)
+            st = self._adam_state(p)
+            step = st["step"]
+            out.append(CheckpointShard(name, tuple(p.shape), whole, p.data, True))
+            out.append(CheckpointShard(f"optim.{name}.master", tuple(p.shape), whole, p.data, True))
+            out.append(CheckpointShard(f"optim.{name}.exp_avg", tuple(p.shape), whole, st["exp_avg"], True))
+            out.append(CheckpointShard(f"optim.{name}.exp_avg_sq", tuple(p.shape), whole, st["exp_avg_sq"], True))
+        out.append(CheckpointShard("optim.step", (), (), step.reshape(()).float(), True))
         return out
 
-    def load_optimizer_state(self, state: dict[str, torch.Tensor]) -> None:
-        assert self.model is not None and self.optimizer is not None
+    @torch.no_grad()
+    def load_checkpoint_shards(self, read_fn: Callable[[str, Slice], torch.Tensor]) -> None:
+        assert self.model is not None
+        step = read_fn("optim.step", ()).reshape(()).float()
         for name, p in self.model.named_parameters():
-            if f"{name}.exp_avg" not in state:
-                continue
-            self.optimizer.state[p] = {
-                "exp_avg": state[f"{name}.exp_avg"].to(p.device, p.dtype).clone(),
-                "exp_avg_sq": state[f"{name}.exp_avg_sq"].to(p.device, p.dtype).clone(),
-                "step": state[f"{name}.step"].reshape(()).to(torch.float32).clone(),
-            }
+            whole = tuple((0, n) for n in p.shape)
+            p.copy_(read_fn(f"optim.{name}.master", whole).reshape(p.shape))
+            st = self._adam_state(p)
+            st["exp_avg"].copy_(read_fn(f"optim.{name}.exp_avg", whole).reshape(p.shape))
+            st["exp_avg_sq"].copy_(read_fn(f"optim.{name}.exp_avg_sq", whole).reshape(p.shape))
+            st["step"] = step.clone()
 
     def close(self) -> None:
         pass
