@@ -9,7 +9,9 @@ from typing import Literal
 
 import torch
 
-GemmBackend = Literal["auto", "torch", "reference"]
+from moe_kernels.triton import triton_runs_on
+
+GemmBackend = Literal["auto", "triton", "torch", "reference"]
 
 
 def grouped_gemm_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -53,7 +55,12 @@ def grouped_gemm_torch(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) 
 def grouped_gemm(
     x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, backend: GemmBackend = "auto"
 ) -> torch.Tensor:
-    """x: [N, K], w: [E, K, M], offsets: [E] int32 -> [N, M]. Autograd flows to x and w."""
+    """x: [N, K], w: [E, K, M], offsets: [E] int32 -> [N, M]. Autograd flows to x and w.
+
+    backend: "triton" (device-scheduled persistent kernel), "torch" (torch grouped_mm),
+    "reference" (per-expert loop, reads offsets on the host), "auto" (triton on CUDA when
+    installed, else torch grouped_mm where supported, else reference).
+    """
     if x.dim() != 2 or w.dim() != 3:
         raise ValueError(f"expected x [N, K] and w [E, K, M], got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.shape[1] != w.shape[1]:
@@ -62,6 +69,10 @@ def grouped_gemm(
         raise ValueError(f"offsets shape {tuple(offsets.shape)} != (num_experts,)=({w.shape[0]},)")
     if backend == "reference":
         return grouped_gemm_reference(x, w, offsets)
+    if backend == "triton" or (backend == "auto" and triton_runs_on(x)):
+        from moe_kernels.triton.grouped_gemm_kernels import GroupedGemmFn
+
+        return GroupedGemmFn.apply(x, w, offsets)
     if backend == "torch":
         if not torch_grouped_mm_supported(x, w):
             raise ValueError(f"torch grouped_mm does not support dtype={x.dtype} on device={x.device}")
@@ -70,4 +81,4 @@ def grouped_gemm(
         if torch_grouped_mm_supported(x, w):
             return grouped_gemm_torch(x, w, offsets)
         return grouped_gemm_reference(x, w, offsets)
-    raise ValueError(f"backend={backend!r} is not one of 'auto', 'torch', 'reference'")
+    raise ValueError(f"backend={backend!r} is not one of 'auto', 'triton', 'torch', 'reference'")

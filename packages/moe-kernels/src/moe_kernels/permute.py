@@ -2,23 +2,42 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from moe_kernels.route_map import RouteMap
+from moe_kernels.triton import triton_runs_on
+
+RowBackend = Literal["auto", "triton", "torch", "reference"]
 
 
-def permute(x: torch.Tensor, route_map: RouteMap) -> torch.Tensor:
+def _use_triton(backend: str, x: torch.Tensor) -> bool:
+    if backend not in ("auto", "triton", "torch", "reference"):
+        raise ValueError(f"backend={backend!r} is not one of 'auto', 'triton', 'torch', 'reference'")
+    return backend == "triton" or (backend == "auto" and triton_runs_on(x))
+
+
+def permute(x: torch.Tensor, route_map: RouteMap, backend: RowBackend = "auto") -> torch.Tensor:
     """Gather token rows into expert order.
 
     x: [T, d] -> [T*k, d]; row r is x[route_map.source_token[r]].
     """
     if x.shape[0] != route_map.num_tokens:
         raise ValueError(f"x has {x.shape[0]} rows but the route map was built for {route_map.num_tokens} tokens")
+    if _use_triton(backend, x):
+        from moe_kernels.triton.permute_kernels import PermuteFn
+
+        return PermuteFn.apply(x, route_map.dest_row, route_map.top_k)
     return x.index_select(0, route_map.source_token)
 
 
-def combine(expert_out: torch.Tensor, route_map: RouteMap, weights: torch.Tensor) -> torch.Tensor:
+def combine(
+    expert_out: torch.Tensor, route_map: RouteMap, weights: torch.Tensor, backend: RowBackend = "auto"
+) -> torch.Tensor:
     """Sum each token's k expert rows, scaled by its router weights, accumulating in fp32.
+
+    Every backend is deterministic (the triton kernels sum each token's rows in slot order, no atomics).
 
     expert_out: [T*k, d] in expert order; weights: [T, k] -> [T, d] in expert_out's dtype.
     """
@@ -28,6 +47,10 @@ def combine(expert_out: torch.Tensor, route_map: RouteMap, weights: torch.Tensor
         raise ValueError(
             f"weights shape {tuple(weights.shape)} != (T, k)=({route_map.num_tokens}, {route_map.top_k})"
         )
+    if _use_triton(backend, expert_out):
+        from moe_kernels.triton.permute_kernels import CombineFn
+
+        return CombineFn.apply(expert_out, route_map.dest_row, weights)
     rows = expert_out.index_select(0, route_map.dest_row).view(route_map.num_tokens, route_map.top_k, -1)
     acc = torch.promote_types(expert_out.dtype, torch.float32)
     out = torch.einsum("tkd,tk->td", rows.to(acc), weights.to(acc))

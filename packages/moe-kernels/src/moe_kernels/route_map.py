@@ -7,8 +7,11 @@ Flat index convention: the (token t, slot s) pair of a [T, k] routing is flat ro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+from moe_kernels.triton import triton_runs_on
 
 
 @dataclass(frozen=True)
@@ -51,16 +54,28 @@ class RouteMap:
         return self.counts.view(ep_size, self.num_experts // ep_size).sum(dim=1, dtype=torch.int32)
 
 
-def build_route_map(expert_ids: torch.Tensor, num_experts: int) -> RouteMap:
+RouteMapBackend = Literal["auto", "triton", "torch", "reference"]
+
+
+def build_route_map(expert_ids: torch.Tensor, num_experts: int, backend: RouteMapBackend = "auto") -> RouteMap:
     """Build the route map from top-k expert ids.
 
     expert_ids: [T, k] integer, values in [0, num_experts). Stays on its device; nothing is read back.
+    backend: "triton" (histogram, scan and scatter kernels; deterministic), "torch"/"reference"
+    (stable sort), "auto" (triton on CUDA when installed, else torch).
     """
     if expert_ids.dim() != 2:
         raise ValueError(f"expert_ids must be [T, k], got shape {tuple(expert_ids.shape)}")
     if num_experts <= 0:
         raise ValueError(f"num_experts={num_experts} must be positive")
     num_tokens, top_k = expert_ids.shape
+    if backend not in ("auto", "triton", "torch", "reference"):
+        raise ValueError(f"backend={backend!r} is not one of 'auto', 'triton', 'torch', 'reference'")
+    if backend == "triton" or (backend == "auto" and triton_runs_on(expert_ids)):
+        from moe_kernels.triton.route_map_kernels import route_map_tensors
+
+        counts, offsets, sort_order, dest_row = route_map_tensors(expert_ids, num_experts)
+        return RouteMap(num_tokens, top_k, num_experts, counts, offsets, sort_order, dest_row)
     flat = expert_ids.reshape(-1).to(torch.int64)
     device = flat.device
     counts = torch.zeros(num_experts, dtype=torch.int32, device=device)

@@ -1,1 +1,28 @@
-"""moe-parallel."""
+"""moe-parallel: parallel layout and groups, resident-weight DDP, ZeRO-1 AdamW, expert parallelism, FSDP2 baseline."""
+
+from moe_parallel.buffers import FlatParams
+from moe_parallel.ddp import GradientSync
+from moe_parallel.expert_parallel import ExpertShard, apply_expert_parallel, expert_parameter_names, moe_layers
+from moe_parallel.fsdp import apply_fsdp
+from moe_parallel.groups import ParallelGroups, build_groups
+from moe_parallel.layout import ParallelLayout, RankCoords
+from moe_parallel.optimizer import AdamWConfig, DistributedAdamW, OptimizerStepResult
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ParallelLayout",
+    "RankCoords",
+    "ParallelGroups",
+    "build_groups",
+    "FlatParams",
+    "GradientSync",
+    "AdamWConfig",
+    "DistributedAdamW",
+    "OptimizerStepResult",
+    "apply_expert_parallel",
+    "expert_parameter_names",
+    "moe_layers",
+    "ExpertShard",
+    "apply_fsdp",
+]

@@ -109,6 +109,7 @@ class ParallelConfig:
     strategy: str = "ddp"  # ddp (resident weights) | fsdp (FSDP2 baseline)
     distributed_optimizer: bool = True
     fp32_grad_accum: bool = True
+    param_dtype: str = "fp32"  # resident model weights: fp32 | bf16 (fp32 masters live in the optimizer)
     expert_capacity_factor: float = 0.0  # 0 = dropless
 
 
@@ -175,6 +176,7 @@ def validate(cfg: Config) -> Config:
         _check(getattr(p, name) >= 1, f"parallel.{name}", getattr(p, name), "a positive integer")
     _choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
     _choice("parallel.strategy", p.strategy, ("ddp", "fsdp"))
+    _choice("parallel.param_dtype", p.param_dtype, ("fp32", "bf16"))
     _check(p.pp == 1, "parallel.pp", p.pp, "1 (pipeline parallelism is not built yet)")
     if p.ep > 1:
         _check(m.num_experts > 0 and m.num_experts % p.ep == 0, "parallel.ep", p.ep,

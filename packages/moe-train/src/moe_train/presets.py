@@ -11,12 +11,12 @@ def tiny() -> Config:
     """A small MoE that learns on 2 CPU cores in a few minutes."""
     return Config(
         model=ModelConfig(
-            vocab_size=4096, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2, qk_norm=True,
+            vocab_size=2048, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2, qk_norm=True,
             dense_hidden=384, dense_layers=[0], num_experts=8, expert_hidden=128, shared_expert_hidden=0,
             router=RouterConfig(top_k=2),
         ),
-        data=DataConfig(seq_len=128),
-        train=TrainConfig(steps=250, micro_batch_size=16, lr=3e-3, warmup_steps=25, eval_interval=50),
+        data=DataConfig(seq_len=128, default_vocab_size=2048, default_max_bytes=3_000_000),
+        train=TrainConfig(steps=200, micro_batch_size=16, lr=3e-3, warmup_steps=20, eval_interval=50),
         preset="tiny",
     )
 

@@ -8,11 +8,30 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
+
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from moe_train.data.token_file import FORMAT, write_meta, write_split
 
 EOS = "<|endoftext|>"
+EVAL_BLOCK_TOKENS = 2048
+
+
+def split_blocks(stream: np.ndarray, eval_fraction: float, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every round(1/eval_fraction)-th block of `block` tokens is held out, so eval samples the whole corpus."""
+    every = max(2, round(1 / eval_fraction))
+    if stream.size < 2 * every * block:  # a small corpus: smaller blocks, still spread over all of it
+        block = max(1, stream.size // (2 * every))
+    n_blocks = max(1, -(-stream.size // block))
+    is_eval = np.zeros(n_blocks, dtype=bool)
+    is_eval[every // 2 :: every] = True
+    if not is_eval.any():
+        is_eval[-1] = True
+    if is_eval.all():
+        raise ValueError(f"{stream.size} tokens are too few to hold out an eval split in blocks of {block}")
+    mask = np.repeat(is_eval, block)[: stream.size]
+    return stream[~mask], stream[mask]
 
 
 def train_bpe(docs: Iterable[str], vocab_size: int) -> Tokenizer:
@@ -48,21 +67,18 @@ def prepare_data(
     if eos_id is None:
         eos_id = tok.get_vocab_size() - 1 if tokenizer_path else 0
     tok.save(str(tmp / "tokenizer.json"))
-    encoded = [e.ids for e in tok.encode_batch(docs)]
-    n_eval = max(1, int(round(len(encoded) * eval_fraction)))
-    # every k-th document goes to eval so both splits sample the whole corpus
-    stride = max(1, len(encoded) // n_eval)
-    eval_idx = set(range(stride // 2, len(encoded), stride)) if len(encoded) > 1 else set()
-    train_docs = [d for i, d in enumerate(encoded) if i not in eval_idx]
-    eval_docs = [d for i, d in enumerate(encoded) if i in eval_idx] or train_docs[-1:]
-    n_train = write_split(tmp, "train", train_docs, eos_id)
-    n_eval_tok = write_split(tmp, "eval", eval_docs, eos_id)
+    encoded = [e.ids + [eos_id] for e in tok.encode_batch(docs)]
+    stream = np.fromiter((t for doc in encoded for t in doc), dtype=np.uint32)
+    train, held_out = split_blocks(stream, eval_fraction, EVAL_BLOCK_TOKENS)
+    n_train, d_train = write_split(tmp, "train", train, eos_id)
+    n_eval, d_eval = write_split(tmp, "eval", held_out, eos_id)
     digest = hashlib.sha256("\x00".join(docs).encode()).hexdigest()[:16]
     write_meta(tmp, {
         "format": FORMAT, "vocab_size": tok.get_vocab_size(), "eos_id": eos_id, "tokenizer": "tokenizer.json",
         "source": source, "corpus_sha256_16": digest,
-        "splits": {"train": {"num_tokens": n_train, "num_docs": len(train_docs)},
-                   "eval": {"num_tokens": n_eval_tok, "num_docs": len(eval_docs)}},
+        "eval_block_tokens": EVAL_BLOCK_TOKENS,
+        "splits": {"train": {"num_tokens": n_train, "num_docs": d_train},
+                   "eval": {"num_tokens": n_eval, "num_docs": d_eval}},
     })
     if out.exists():
         shutil.rmtree(out)

@@ -39,18 +39,15 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def write_split(folder: Path, name: str, docs: list[list[int]], eos_id: int) -> int:
-    """Write one split; returns its token count."""
-    pieces, ends, total = [], [], 0
-    for doc in docs:
-        arr = np.asarray(list(doc) + [eos_id], dtype=np.uint32)
-        pieces.append(arr)
-        total += arr.size
-        ends.append(total)
-    tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint32)
+def write_split(folder: Path, name: str, tokens: np.ndarray, eos_id: int) -> tuple[int, int]:
+    """Write one split (documents ended by eos_id); returns (tokens, documents)."""
+    tokens = np.asarray(tokens, dtype=np.uint32)
+    ends = (np.flatnonzero(tokens == eos_id) + 1).tolist()
+    if tokens.size and (not ends or ends[-1] != tokens.size):
+        ends.append(tokens.size)  # a block cut inside a document still ends the split
     _atomic_write_bytes(folder / f"{name}.u32", tokens.astype("<u4").tobytes())
     _atomic_write_bytes(folder / f"{name}.docs.u64", np.asarray(ends, dtype="<u8").tobytes())
-    return total
+    return int(tokens.size), len(ends)
 
 
 def write_meta(folder: Path, meta: dict) -> None:

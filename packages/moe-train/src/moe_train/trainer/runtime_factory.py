@@ -1,12 +1,50 @@
-"""Pick the runtime for this process (single-process until the distributed runtime lands)."""
+"""The CLI edge of parallelism: read the launcher's environment once and build the Runtime.
+
+This is the only place that reads RANK / WORLD_SIZE / LOCAL_RANK (set by torchrun); everything
+below it receives plain values and process-group objects.
+"""
 
 from __future__ import annotations
 
-import torch
+import os
 
+import torch
+import torch.distributed as dist
+
+from moe_parallel import ParallelLayout, build_groups
 from moe_train.config import Config
+from moe_train.trainer.distributed_runtime import DistributedRuntime
 from moe_train.trainer.runtime import LocalRuntime, Runtime
 
 
+def launched_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def make_runtime(cfg: Config, device: torch.device) -> Runtime:
-    return LocalRuntime(cfg, device)
+    """LocalRuntime for a plain single-process run, else a DistributedRuntime.
+
+    The layout is validated against the launched world size before the process group, the
+    model or any buffer exists, so a bad layout raises the same ValueError on every rank.
+    device: the resolved device type; under torchrun on GPUs the index becomes LOCAL_RANK.
+    """
+    p = cfg.parallel
+    world = launched_world_size()
+    layout = ParallelLayout(p.dp, p.ep, p.pp)
+    plain = ((p.dp, p.ep, p.pp) == (1, 1, 1) and p.strategy == "ddp" and p.expert_capacity_factor == 0
+             and p.param_dtype == "fp32")
+    if world == 1 and plain:
+        return LocalRuntime(cfg, device)
+    layout.validate(world, cfg.model.num_experts)
+    rank = int(os.environ.get("RANK", "0"))
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    backend = p.backend if p.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # a world of 1 launched without torchrun
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(backend, rank=rank, world_size=world)
+    groups = build_groups(layout, cfg.model.num_experts)
+    param_dtype = torch.bfloat16 if p.param_dtype == "bf16" else None
+    return DistributedRuntime(cfg, device, groups, param_dtype=param_dtype)

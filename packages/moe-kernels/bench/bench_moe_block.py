@@ -1,0 +1,206 @@
+"""MoE FFN block forward+backward on one GPU: TFLOP/s of our block, a torch grouped_mm block,
+a per-expert loop and a dense GEMM chain with the same FLOPs, in one run.
+
+    PYTHONPATH=packages/moe-kernels/src python3 packages/moe-kernels/bench/bench_moe_block.py \
+        --out packages/moe-kernels/bench/results/h200_moe_block.json
+
+FLOPs counted (all methods): 3 GEMMs of fwd+bwd = 18 * T*k * d * h per block (the gate/up GEMM
+is 2h wide). Every method gets fresh random bf16 inputs, random top-k routing and fp32 router
+weights; times are medians of CUDA-event-timed iterations after warm-up, with the route map
+(or argsort / bincount) inside the timed region.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import moe_kernels as moe
+from moe_kernels.triton.tuning import tuned_configs
+
+SHAPES = {"a": dict(T=16384, d=2048, h=1024, k=8), "b": dict(T=16384, d=4096, h=4096, k=4)}
+
+
+def make_inputs(T, d, h, k, E, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(T, E, device="cuda", generator=g)
+    topv, ids = logits.topk(k, dim=1)
+    weights = torch.softmax(topv, dim=1)
+    x = torch.randn(T, d, device="cuda", generator=g).bfloat16()
+    w1 = (torch.randn(E, d, 2 * h, device="cuda", generator=g) / d**0.5).bfloat16()
+    w2 = (torch.randn(E, h, d, device="cuda", generator=g) / h**0.5).bfloat16()
+    gy = torch.randn(T, d, device="cuda", generator=g).bfloat16()
+    return ids, weights, x, w1, w2, gy
+
+
+def ours(ids, weights, x, w1, w2, gy, E, backend="auto"):
+    """Our block as the model calls it: device route map + moe_ffn (auto = the per-shape tuned choice)."""
+    rm = moe.build_route_map(ids, E)
+    out = moe.moe_ffn(x, rm, weights, w1, w2, backend=backend)
+    return torch.autograd.grad(out, (x, weights, w1, w2), gy)
+
+
+def torch_grouped_mm_block(ids, weights, x, w1, w2, gy, E):
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    tok = order // k
+    xs = x.index_select(0, tok)
+    h1 = torch._grouped_mm(xs, w1, offs=offs)
+    gate, up = h1.chunk(2, dim=-1)
+    y = torch._grouped_mm((F.silu(gate) * up).contiguous(), w2, offs=offs)
+    y = y * weights.reshape(-1)[order, None].to(y.dtype)
+    out = torch.zeros_like(x).index_add_(0, tok, y)
+    return torch.autograd.grad(out, (x, weights, w1, w2), gy)
+
+
+def per_expert_loop(ids, weights, x, w1, w2, gy, E):
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E).tolist()  # host sync, as a plain loop must
+    tok = order // k
+    xs = x.index_select(0, tok)
+    ys, start = [], 0
+    for e, c in enumerate(counts):
+        gate, up = (xs[start : start + c] @ w1[e]).chunk(2, dim=-1)
+        ys.append((F.silu(gate) * up) @ w2[e])
+        start += c
+    y = torch.cat(ys) * weights.reshape(-1)[order, None].to(x.dtype)
+    out = torch.zeros_like(x).index_add_(0, tok, y)
+    return torch.autograd.grad(out, (x, weights, w1, w2), gy)
+
+
+def dense(xd, w1d, w2d, gyd):
+    gate, up = (xd @ w1d).chunk(2, dim=-1)
+    out = (F.silu(gate) * up) @ w2d
+    return torch.autograd.grad(out, (xd, w1d, w2d), gyd)
+
+
+def time_ms(fn, warmup, iters):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2], times
+
+
+def bench_shape(name, E, iters, methods, seed=0):
+    s = SHAPES[name]
+    T, d, h, k = s["T"], s["d"], s["h"], s["k"]
+    flops = 18 * T * k * d * h
+    ids, weights, x, w1, w2, gy = make_inputs(T, d, h, k, E, seed)
+    x.requires_grad_(), weights.requires_grad_(), w1.requires_grad_(), w2.requires_grad_()
+    row = dict(shape=name, T=T, d=d, h=h, k=k, E=E, flops=flops)
+    args = (ids, weights, x, w1, w2, gy, E)
+    fns = {"ours": lambda: ours(*args), "ours_triton": lambda: ours(*args, backend="triton"),
+           "ours_torch_gemm": lambda: ours(*args, backend="torch"), "torch_grouped_mm": lambda: torch_grouped_mm_block(*args),
+           "per_expert_loop": lambda: per_expert_loop(*args)}
+    for m in methods:
+        if m == "dense":
+            g = torch.Generator(device="cuda").manual_seed(seed + 1)
+            xd = torch.randn(T * k, d, device="cuda", generator=g).bfloat16().requires_grad_()
+            w1d = (torch.randn(d, 2 * h, device="cuda", generator=g) / d**0.5).bfloat16().requires_grad_()
+            w2d = (torch.randn(h, d, device="cuda", generator=g) / h**0.5).bfloat16().requires_grad_()
+            gyd = torch.randn(T * k, d, device="cuda", generator=g).bfloat16()
+            med, times = time_ms(lambda: dense(xd, w1d, w2d, gyd), 3, iters)
+            del xd, w1d, w2d, gyd
+        else:
+            n = max(3, iters // 4) if m == "per_expert_loop" and E >= 32 else iters
+            med, times = time_ms(fns[m], 2 if m == "per_expert_loop" else 3, n)
+        row[m] = dict(ms=med, tflops=flops / med / 1e9, times_ms=times)
+        torch.cuda.empty_cache()
+    # correctness of ours against the torch grouped_mm block on the same inputs
+    if "ours" in methods and "torch_grouped_mm" in methods:
+        a, b = ours(*args), torch_grouped_mm_block(*args)
+        row["rel_err_vs_torch_block"] = [((p.float() - q.float()).norm() / q.float().norm()).item() for p, q in zip(a, b)]
+    if "ours" in methods:
+        from moe_kernels.expert_ffn import _BLOCK_CHOICE
+
+        row["ours_backend"] = next((v for k, v in _BLOCK_CHOICE.items() if k[1] == tuple(w1.shape)), "n/a")
+    return row
+
+
+def profile(name, E):
+    s = SHAPES[name]
+    ids, weights, x, w1, w2, gy = make_inputs(s["T"], s["d"], s["h"], s["k"], E, 0)
+    for t in (x, weights, w1, w2):
+        t.requires_grad_()
+    args = (ids, weights, x, w1, w2, gy, E)
+    for fn in (lambda *a: ours(*a, backend="triton"), torch_grouped_mm_block):
+        for _ in range(3):
+            fn(*args)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn(*args)
+            torch.cuda.synchronize()
+        print(f"--- {'torch block' if fn is torch_grouped_mm_block else 'ours (triton)'} shape {name} E={E}")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="a,b")
+    p.add_argument("--experts", default="8,32,128")
+    p.add_argument("--methods", default="ours,ours_triton,ours_torch_gemm,torch_grouped_mm,per_expert_loop,dense")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--out", default=None)
+    p.add_argument("--commit", default=None, help="commit to record when the tree has no .git (device copies)")
+    p.add_argument("--profile", action="store_true", help="print per-kernel CUDA time of one iteration of ours (first shape, first E)")
+    args = p.parse_args()
+    methods = args.methods.split(",")
+    if args.profile:
+        profile(args.shapes.split(",")[0], int(args.experts.split(",")[0]))
+    rows = []
+    t0 = time.time()
+    for name in args.shapes.split(","):
+        for E in map(int, args.experts.split(",")):
+            row = bench_shape(name, E, args.iters, methods)
+            rows.append(row)
+            print(f"[{time.time() - t0:6.1f}s] shape {name} E={E}: "
+                  + "  ".join(f"{m} {row[m]['tflops']:.0f}" for m in methods), flush=True)
+    result = dict(
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+        triton=__import__("triton").__version__, python=platform.python_version(), commit=args.commit or git_commit(),
+        command="PYTHONPATH=packages/moe-kernels/src python3 packages/moe-kernels/bench/bench_moe_block.py",
+        flops_formula="18 * T * k * d * h (fwd + bwd of the 3 GEMMs)",
+        rows=rows, tuned_configs={repr(k): v for k, v in tuned_configs().items()},
+    )
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print("\nTFLOP/s, fwd+bwd MoE FFN block, one GPU")
+    print(f"{'shape':>5} {'E':>4} " + " ".join(f"{m:>16}" for m in methods) + "  ours/dense ours/torch")
+    for r in rows:
+        extra = ""
+        if "ours" in r and "dense" in r and "torch_grouped_mm" in r:
+            extra = f"  {r['ours']['tflops'] / r['dense']['tflops']:10.2f} {r['ours']['tflops'] / r['torch_grouped_mm']['tflops']:10.2f}"
+        print(f"{r['shape']:>5} {r['E']:>4} " + " ".join(f"{r[m]['tflops']:16.1f}" for m in methods) + extra
+              + f"  auto={r.get('ours_backend', '')}")
+
+
+if __name__ == "__main__":
+    main()

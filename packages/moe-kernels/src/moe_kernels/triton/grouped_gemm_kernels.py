@@ -1,0 +1,289 @@
+"""Device-scheduled grouped GEMM: forward/dgrad (one persistent kernel) and wgrad.
+
+Rows are in expert order with exact per-expert counts (offsets: [E] int32 cumulative ends,
+on the device). The forward kernel runs a persistent grid; each program walks tile ids and
+finds a tile's expert by comparing the id with the cumulative per-expert M-tile counts, which
+it computes itself from `offsets` (so no host read and no metadata that depends on the block
+shape). Options, all compile-time:
+  GATHER_A  A-row r is read from x[gather[r] // TOPK] (the permute fused into the A-load);
+  EPILOGUE  0: C = A @ B;  1: SwiGLU forward, B holds [gate | up] (H columns apart):
+            writes pre = [gate | up] and C = silu(gate) * up;  2: SwiGLU backward: C = d[gate | up]
+            from A @ B = d_act and the saved pre.
+wgrad: dW[e] = A[rows_e]^T @ B[rows_e], one program per (expert, K-tile, N-tile), looping
+over that expert's rows; empty experts get zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_kernels.triton.tuning import pick_config
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, aux_ptr, offsets_ptr, gather_ptr,
+    E, K, N, H,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn, stride_xm, stride_xn,
+    TOPK: tl.constexpr, E_P2: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    experts = tl.arange(0, E_P2)
+    emask = experts < E
+    ends = tl.load(offsets_ptr + experts, mask=emask, other=0)
+    starts = tl.load(offsets_ptr + experts - 1, mask=emask & (experts > 0), other=0)
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    cum = tl.cumsum(tiles, axis=0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    total = tl.sum(tiles, axis=0) * num_n
+    out_ty = c_ptr.dtype.element_ty
+    for tile in range(tl.program_id(0), total, tl.num_programs(0)):
+        mt = tile // num_n
+        nt = tile % num_n
+        e = tl.sum((cum <= mt).to(tl.int32), axis=0)
+        sel = experts == e
+        e_end = tl.sum(tl.where(sel, ends, 0), axis=0)
+        row0 = tl.sum(tl.where(sel, starts + (mt - cum + tiles) * BLOCK_M, 0), axis=0)
+        rm = row0 + tl.arange(0, BLOCK_M)
+        mmask = rm < e_end
+        if GATHER_A:
+            src = tl.load(gather_ptr + rm, mask=mmask, other=0) // TOPK
+        else:
+            src = rm.to(tl.int64)
+        rn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = rn < N
+        rk = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + src[:, None] * stride_am + rk[None, :] * stride_ak
+        b_ptrs = b_ptr + e.to(tl.int64) * stride_be + rk[:, None] * stride_bk + rn[None, :] * stride_bn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if EPILOGUE == 1:
+            acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
+            else:
+                kmask = (k0 + rk) < K
+                a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if EPILOGUE == 1:
+                if EVEN_K:
+                    b2 = tl.load(b_ptrs + H * stride_bn, mask=nmask[None, :], other=0.0)
+                else:
+                    b2 = tl.load(b_ptrs + H * stride_bn, mask=kmask[:, None] & nmask[None, :], other=0.0)
+                if UPCAST:
+                    b2 = b2.to(tl.float32)
+                acc2 = tl.dot(a, b2, acc2, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        rows = rm.to(tl.int64)
+        cmask = mmask[:, None] & nmask[None, :]
+        c_ptrs = c_ptr + rows[:, None] * stride_cm + rn[None, :] * stride_cn
+        if EPILOGUE == 0:
+            tl.store(c_ptrs, acc.to(out_ty), mask=cmask)
+        elif EPILOGUE == 1:
+            # round to the storage dtype first, as the unfused path does
+            g = acc.to(out_ty)
+            u = acc2.to(out_ty)
+            x_ptrs = aux_ptr + rows[:, None] * stride_xm + rn[None, :] * stride_xn
+            tl.store(x_ptrs, g, mask=cmask)
+            tl.store(x_ptrs + H * stride_xn, u, mask=cmask)
+            gf = g.to(tl.float32)
+            act = gf * tl.sigmoid(gf) * u.to(tl.float32)
+            tl.store(c_ptrs, act.to(out_ty), mask=cmask)
+        else:
+            x_ptrs = aux_ptr + rows[:, None] * stride_xm + rn[None, :] * stride_xn
+            gf = tl.load(x_ptrs, mask=cmask, other=0.0).to(tl.float32)
+            uf = tl.load(x_ptrs + H * stride_xn, mask=cmask, other=0.0).to(tl.float32)
+            da = acc.to(out_ty).to(tl.float32)
+            sig = tl.sigmoid(gf)
+            du = da * gf * sig
+            dg = da * uf * sig * (1.0 + gf * (1.0 - sig))
+            tl.store(c_ptrs, dg.to(out_ty), mask=cmask)
+            tl.store(c_ptrs + H * stride_cn, du.to(out_ty), mask=cmask)
+
+
+@triton.jit
+def _grouped_wgrad_kernel(
+    a_ptr, b_ptr, c_ptr, offsets_ptr, gather_ptr, K, N,
+    stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
+    TOPK: tl.constexpr, GATHER_A: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_k = tl.cdiv(K, BLOCK_K)
+    num_n = tl.cdiv(N, BLOCK_N)
+    e = pid // (num_k * num_n)
+    rest = pid % (num_k * num_n)
+    kt = rest // num_n
+    nt = rest % num_n
+    end = tl.load(offsets_ptr + e)
+    start = tl.load(offsets_ptr + e - 1, mask=e > 0, other=0)
+    rk = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+    rn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    kmask = rk < K
+    nmask = rn < N
+    acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        rmask = rr < end
+        if GATHER_A:
+            src = tl.load(gather_ptr + rr, mask=rmask, other=0) // TOPK
+        else:
+            src = rr.to(tl.int64)
+        a = tl.load(a_ptr + src[:, None] * stride_am + rk[None, :] * stride_ak, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_ptr + rr.to(tl.int64)[:, None] * stride_bm + rn[None, :] * stride_bn, mask=rmask[:, None] & nmask[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+    c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + rk[:, None] * stride_ck + rn[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=kmask[:, None] & nmask[None, :])
+
+
+# Block shapes tried per (kernel, shape, dtype); the first is the default when tuning is off
+# (CPU interpreter, or a first call made during CUDA-graph capture).
+_GEMM_CONFIGS_BF16 = [
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
+]
+_SWIGLU_CONFIGS_BF16 = [
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
+]
+_WGRAD_CONFIGS_BF16 = [
+    dict(BLOCK_K=128, BLOCK_N=128, BLOCK_R=64, num_warps=8, num_stages=3),
+    dict(BLOCK_K=128, BLOCK_N=256, BLOCK_R=64, num_warps=8, num_stages=3),
+    dict(BLOCK_K=64, BLOCK_N=128, BLOCK_R=64, num_warps=4, num_stages=4),
+    dict(BLOCK_K=128, BLOCK_N=128, BLOCK_R=64, num_warps=8, num_stages=4),
+    dict(BLOCK_K=256, BLOCK_N=128, BLOCK_R=64, num_warps=8, num_stages=3),
+]
+_GEMM_CONFIG_FP32 = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)]
+_WGRAD_CONFIG_FP32 = [dict(BLOCK_K=64, BLOCK_N=64, BLOCK_R=32, num_warps=4, num_stages=2)]
+_CPU_GEMM = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)]
+_CPU_WGRAD = [dict(BLOCK_K=64, BLOCK_N=64, BLOCK_R=64)]
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def grouped_gemm_launch(
+    a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, out_cols: int, c: torch.Tensor,
+    gather: torch.Tensor | None = None, top_k: int = 1, epilogue: int = 0, aux: torch.Tensor | None = None,
+    swiglu_h: int = 0,
+) -> torch.Tensor:
+    """C[r, :out_cols] = epilogue(A[src(r)] @ B[e(r)]); a: [*, K], b: [E, K, *] (any strides), c written in place."""
+    E, K = b.shape[0], b.shape[1]
+    n_rows = c.shape[0]
+    if n_rows == 0 or out_cols == 0:
+        return c
+    if K == 0:
+        raise ValueError("grouped GEMM with K=0 is not supported by the triton backend")
+    cpu = a.device.type == "cpu"
+    if cpu:
+        configs = _CPU_GEMM
+    elif a.dtype == torch.float32:
+        configs = _GEMM_CONFIG_FP32
+    else:
+        configs = _SWIGLU_CONFIGS_BF16 if epilogue else _GEMM_CONFIGS_BF16
+    aux = aux if aux is not None else c
+    gather_t = gather if gather is not None else offsets
+    # one compiled kernel serves every E up to 256 (the lookup vector costs nothing per tile)
+    e_p2 = max(256, triton.next_power_of_2(E))
+    sms = _num_sms(a.device)
+
+    def launch(cfg):
+        cfg = dict(cfg)
+        bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
+        upper = (triton.cdiv(n_rows, bm) + E) * triton.cdiv(out_cols, bn)
+        grid = (max(1, min(sms, upper)),)
+        _grouped_gemm_kernel[grid](
+            a, b, c, aux, offsets, gather_t, E, K, out_cols, swiglu_h,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
+            c.stride(0), c.stride(1), aux.stride(0), aux.stride(1),
+            TOPK=top_k, E_P2=e_p2, GATHER_A=gather is not None, EPILOGUE=epilogue,
+            EVEN_K=K % bk == 0, UPCAST=cpu, PRECISION=_precision(a.dtype),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **cfg,
+        )
+
+    key = ("gemm", epilogue, gather is not None, n_rows, K, out_cols, E, b.stride(1) == 1, a.dtype)
+    pick_config(key, configs, launch)
+    return c
+
+
+def grouped_wgrad_launch(
+    a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, num_experts: int, *,
+    gather: torch.Tensor | None = None, top_k: int = 1, out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """dW[e] = A[rows of e]^T @ B[rows of e]: a: [*, K] (rows gathered via gather//top_k), b: [N_rows, N] -> [E, K, N]."""
+    K, N = a.shape[1], b.shape[1]
+    out = torch.empty(num_experts, K, N, dtype=out_dtype or a.dtype, device=a.device)
+    if K == 0 or N == 0 or num_experts == 0:
+        return out
+    cpu = a.device.type == "cpu"
+    if cpu:
+        configs = _CPU_WGRAD
+    elif a.dtype == torch.float32:
+        configs = _WGRAD_CONFIG_FP32
+    else:
+        configs = _WGRAD_CONFIGS_BF16
+    gather_t = gather if gather is not None else offsets
+
+    def launch(cfg):
+        cfg = dict(cfg)
+        bk, bn, br = cfg.pop("BLOCK_K"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_R")
+        grid = (num_experts * triton.cdiv(K, bk) * triton.cdiv(N, bn),)
+        _grouped_wgrad_kernel[grid](
+            a, b, out, offsets, gather_t, K, N,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
+            TOPK=top_k, GATHER_A=gather is not None, UPCAST=cpu, PRECISION=_precision(a.dtype),
+            BLOCK_K=bk, BLOCK_N=bn, BLOCK_R=br, **cfg,
+        )
+
+    key = ("wgrad", gather is not None, b.shape[0], K, N, num_experts, a.dtype)
+    pick_config(key, configs, launch)
+    return out
+
+
+def grouped_gemm_forward(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    c = torch.empty(x.shape[0], w.shape[2], dtype=x.dtype, device=x.device)
+    return grouped_gemm_launch(x, w, offsets, out_cols=w.shape[2], c=c)
+
+
+class GroupedGemmFn(torch.autograd.Function):
+    """x: [N, K] @ w: [E, K, M] per expert -> [N, M]; dgrad dy @ w^T, wgrad x^T @ dy over variable-length groups."""
+
+    @staticmethod
+    def forward(ctx, x, w, offsets):
+        x = x.contiguous()
+        ctx.save_for_backward(x, w, offsets)
+        return grouped_gemm_forward(x, w, offsets)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w, offsets = ctx.saved_tensors
+        gy = gy.contiguous()
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            gx = torch.empty_like(x)
+            grouped_gemm_launch(gy, w.transpose(1, 2), offsets, out_cols=x.shape[1], c=gx)
+        if ctx.needs_input_grad[1]:
+            gw = grouped_wgrad_launch(x, gy, offsets, w.shape[0], out_dtype=w.dtype)
+        return gx, gw, None

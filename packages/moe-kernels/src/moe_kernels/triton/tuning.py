@@ -1,0 +1,43 @@
+"""Per-shape block-shape choice for the triton kernels, cached in a process-wide dict.
+
+The first call for a key times every candidate (triton.testing.do_bench, median) and keeps
+the fastest; later calls reuse it. Tuning is skipped, taking the first candidate, on the CPU
+(interpreter) and while a CUDA graph is being captured, so capture a graph after a warm-up.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+_BEST: dict[tuple, dict[str, Any]] = {}
+
+
+def pick_config(key: tuple, configs: list[dict[str, Any]], launch: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Run `launch` with the cached best config for `key`, tuning first if it is new. Returns the config."""
+    best = _BEST.get(key)
+    if best is None:
+        if len(configs) == 1 or not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
+            best = configs[0]
+        else:
+            import triton.testing
+
+            times = []
+            for cfg in configs:
+                try:
+                    launch(cfg)  # compile outside the timing
+                    times.append(triton.testing.do_bench(lambda cfg=cfg: launch(cfg), warmup=5, rep=20, return_mode="median"))
+                except Exception as exc:  # a config that does not fit (shared memory, registers)
+                    if "out of resource" not in str(exc).lower() and "OutOfResources" not in type(exc).__name__:
+                        raise
+                    times.append(float("inf"))
+            best = configs[min(range(len(configs)), key=times.__getitem__)]
+        _BEST[key] = best
+    launch(best)
+    return best
+
+
+def tuned_configs() -> dict[tuple, dict[str, Any]]:
+    """The block shapes chosen so far, per key (for benchmark reports)."""
+    return dict(_BEST)

@@ -1,0 +1,184 @@
+"""Triton kernels on a CUDA GPU against the reference: route map, permute/combine, grouped GEMM,
+the fused block (outputs and every gradient), determinism and CUDA-graph capture.
+
+Run on the device: PYTHONPATH=packages/moe-kernels/src python3 -m pytest -m gpu packages/moe-kernels/tests/test_triton_gpu.py
+"""
+
+import pytest
+import torch
+
+import moe_kernels as moe
+from moe_kernels import LocalDispatcher, build_route_map, moe_ffn, swiglu_experts
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+CASES = [  # T, d, h, E, k, empty experts: odd T, sizes off every block, E=256, empty experts
+    (333, 200, 136, 8, 2, (3,)),
+    (1025, 256, 128, 256, 8, tuple(range(0, 256, 5))),
+    (77, 64, 64, 32, 4, tuple(range(1, 32))),  # every row on expert 0
+]
+
+
+def routing(T, E, k, empty, g):
+    allowed = torch.tensor([e for e in range(E) if e not in empty])
+    k = min(k, len(allowed))
+    return allowed[torch.rand(T, len(allowed), generator=g).topk(k, dim=1).indices]
+
+
+def problem(T, d, h, E, k, empty, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = routing(T, E, k, empty, g)
+    k = ids.shape[1]
+    leaves = [
+        torch.randn(T, d, generator=g, dtype=torch.float64),
+        torch.rand(T, k, generator=g, dtype=torch.float64),
+        torch.randn(E, d, 2 * h, generator=g, dtype=torch.float64) / d**0.5,
+        torch.randn(E, h, d, generator=g, dtype=torch.float64) / h**0.5,
+    ]
+    return ids, leaves
+
+
+def run_block(fn, leaves, dtype, device, grad_out):
+    xs = [t.detach().to(device=device, dtype=dtype).clone().requires_grad_() for t in leaves]
+    wdtype = torch.float32 if dtype != torch.float64 else dtype
+    xs[1] = leaves[1].detach().to(device=device, dtype=wdtype).clone().requires_grad_()
+    out = fn(*xs)
+    out.backward(grad_out.to(device=device, dtype=out.dtype))
+    return [out.detach().double().cpu()] + [t.grad.double().cpu() for t in xs]
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("T,k,E", [(1, 1, 1), (333, 2, 8), (16383, 8, 128), (1025, 8, 256), (5, 3, 1000)])
+def test_triton_route_map_equals_reference(T, k, E):
+    g = torch.Generator().manual_seed(T + E)
+    ids = routing(T, E, k, tuple(range(0, E, 7)) if E > 8 else (), g).cuda()
+    ref = build_route_map(ids, E, backend="torch")
+    out = build_route_map(ids, E, backend="triton")
+    for name in ("counts", "offsets", "sort_order", "dest_row"):
+        assert torch.equal(getattr(out, name), getattr(ref, name)), name
+    if E % 4 == 0:
+        assert torch.equal(out.rank_counts(4), ref.rank_counts(4))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1.5e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("case", CASES)
+def test_triton_moe_block_matches_reference_outputs_and_grads(case, dtype, tol):
+    T, d, h, E, k, empty = case
+    ids, leaves = problem(*case, seed=T * E)
+    grad_out = torch.randn(T, d, dtype=torch.float64)
+    rm64 = build_route_map(ids, E, backend="reference")
+    ref = run_block(lambda x, w, a, b: moe_ffn(x, rm64, w, a, b, backend="reference"), leaves, torch.float64, "cpu", grad_out)
+    rm = build_route_map(ids.cuda(), E, backend="triton")
+    fused = run_block(lambda x, w, a, b: moe_ffn(x, rm, w, a, b, backend="triton"), leaves, dtype, "cuda", grad_out)
+    disp = LocalDispatcher(E)
+
+    def model_path(x, w, a, b):  # the model's call sequence, every op on triton
+        res = disp.dispatch(x, rm)
+        return disp.combine(swiglu_experts(res.rows, a, b, res.offsets, backend="triton"), res, w)
+
+    unfused = run_block(model_path, leaves, dtype, "cuda", grad_out)
+    others = [fused, unfused]
+    if dtype == torch.bfloat16:  # torch grouped_mm GEMMs between the triton row kernels; and auto's choice
+        for b in ("torch", "auto"):
+            others.append(run_block(lambda x, w, a, c, b=b: moe_ffn(x, rm, w, a, c, backend=b), leaves, dtype, "cuda", grad_out))
+    names = ["out", "grad_x", "grad_weights", "grad_w_gate_up", "grad_w_down"]
+    for got in others:
+        errs = {n: rel(a, b) for n, a, b in zip(names, got, ref)}
+        assert all(e < tol for e in errs.values()), errs
+        for e in empty:
+            assert torch.all(got[3][e] == 0) and torch.all(got[4][e] == 0)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+def test_triton_grouped_gemm_matches_reference_with_empty_experts(dtype, tol):
+    g = torch.Generator().manual_seed(7)
+    E, K, M = 256, 136, 200
+    counts = torch.randint(0, 40, (E,), generator=g)
+    counts[::3] = 0
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    N = int(counts.sum())
+    x = torch.randn(N, K, generator=g, dtype=torch.float64)
+    w = torch.randn(E, K, M, generator=g, dtype=torch.float64) / K**0.5
+    gy = torch.randn(N, M, generator=g, dtype=torch.float64)
+    ref_x, ref_w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = moe.grouped_gemm(ref_x, ref_w, offsets, backend="reference")
+    ref.backward(gy)
+    xx = x.to("cuda", dtype).requires_grad_()
+    ww = w.to("cuda", dtype).requires_grad_()
+    out = moe.grouped_gemm(xx, ww, offsets.cuda(), backend="triton")
+    out.backward(gy.to("cuda", dtype))
+    assert rel(out.double().cpu(), ref.detach()) < tol
+    assert rel(xx.grad.double().cpu(), ref_x.grad) < tol
+    assert rel(ww.grad.double().cpu(), ref_w.grad) < tol
+    assert torch.all(ww.grad[::3] == 0)
+
+
+def test_triton_permute_combine_match_reference_and_are_deterministic():
+    g = torch.Generator().manual_seed(3)
+    T, d, E, k = 999, 72, 64, 6
+    ids = routing(T, E, k, (2, 9), g).cuda()
+    rm = build_route_map(ids, E)
+    x = torch.randn(T, d, generator=g).cuda().bfloat16()
+    w = torch.rand(T, k, generator=g).cuda()
+    y = torch.randn(T * k, d, generator=g).cuda().bfloat16()
+    assert torch.equal(moe.permute(x, rm, backend="triton"), moe.permute(x, rm, backend="torch"))
+    outs = []
+    for _ in range(2):
+        yy, ww = y.clone().requires_grad_(), w.clone().requires_grad_()
+        out = moe.combine(yy, rm, ww, backend="triton")
+        out.backward(torch.ones_like(out))
+        outs.append((out, yy.grad, ww.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    yy, ww = y.float().requires_grad_(), w.clone().requires_grad_()
+    ref = moe.combine(yy, rm, ww, backend="torch")
+    ref.backward(torch.ones_like(ref))
+    assert rel(outs[0][0].float(), ref) < 1e-2
+    assert rel(outs[0][1].float(), yy.grad) < 1e-2 and rel(outs[0][2], ww.grad) < 1e-2
+
+
+def test_triton_moe_block_replays_in_cuda_graph():
+    T, d, h, E, k = 517, 256, 128, 64, 4
+    ids, leaves = problem(T, d, h, E, k, (5, 6), seed=11)
+    dev = "cuda"
+    static = [t.to(dev, torch.bfloat16).requires_grad_() for t in leaves]
+    static[1] = leaves[1].to(dev, torch.float32).requires_grad_()
+    static_ids = ids.to(dev)
+    grad_out = torch.randn(T, d, device=dev, dtype=torch.bfloat16)
+
+    def step():
+        for t in static:
+            t.grad = None
+        rm = build_route_map(static_ids, E)
+        out = moe_ffn(static[0], rm, static[1], static[2], static[3], backend="triton")
+        out.backward(grad_out)
+        return out
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):  # warm-up: compile and tune outside the capture
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    # fresh inputs and routing, then replay
+    ids2, leaves2 = problem(T, d, h, E, k, (1,), seed=12)
+    with torch.no_grad():
+        static_ids.copy_(ids2)
+        for t, new in zip(static, leaves2):
+            t.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    got = [static_out.detach().double().cpu()] + [t.grad.double().cpu() for t in static]
+    rm_ref = build_route_map(ids2, E, backend="reference")
+    ref = run_block(lambda x, w, a, b: moe_ffn(x, rm_ref, w, a, b, backend="reference"), leaves2, torch.float64, "cpu", grad_out.double().cpu())
+    for a, b in zip(got, ref):
+        assert rel(a, b) < 1.5e-2

@@ -1,0 +1,69 @@
+"""Expert parallelism applied to a plain model from outside.
+
+A model's MoE layer is any module with `num_experts` (global), `experts` (a module whose
+parameters are stacked per expert along dim 0), `dispatcher` and `router`. Applying expert
+parallelism keeps this rank's contiguous block of experts, swaps in the all-to-all dispatcher
+and points the router's global balancing-loss counts at the data-parallel group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moe_kernels import AllToAllDispatcher
+from moe_parallel.groups import ParallelGroups
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """An expert parameter held on this rank: rows [row_offset, row_offset + local rows) of global_shape."""
+
+    global_shape: tuple[int, ...]
+    row_offset: int
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [
+        (name, m) for name, m in model.named_modules()
+        if all(hasattr(m, a) for a in ("num_experts", "experts", "dispatcher", "router"))
+    ]
+
+
+def expert_parameter_names(model: nn.Module) -> set[str]:
+    """Full names of every routed-expert parameter (replicated over expert DP, not dense DP)."""
+    names = set()
+    for layer_name, layer in moe_layers(model):
+        prefix = f"{layer_name}.experts." if layer_name else "experts."
+        names.update(prefix + n for n, _ in layer.experts.named_parameters())
+    return names
+
+
+@torch.no_grad()
+def apply_expert_parallel(model: nn.Module, groups: ParallelGroups, capacity_factor: float = 0.0) -> dict[str, ExpertShard]:
+    """Slice every MoE layer's experts to this EP rank's block and install the all-to-all dispatcher.
+
+    Call after the model holds its full (seeded) weights and before DDP / the optimizer see it.
+    With ep = 1 the experts stay whole and only the router's balancing group is set.
+    Returns the expert parameters' global shapes and row offsets (for checkpoints).
+    """
+    ep, ep_rank = groups.layout.ep, groups.coords.ep_rank
+    shards: dict[str, ExpertShard] = {}
+    for layer_name, layer in moe_layers(model):
+        layer.router.lb_group = groups.dp
+        e = layer.num_experts
+        if e % ep != 0:
+            raise ValueError(f"{layer_name}: num_experts={e} is not divisible by ep={ep}")
+        e_local = e // ep
+        for pname, p in list(layer.experts.named_parameters(recurse=False)):
+            if p.shape[0] != e:
+                raise ValueError(f"{layer_name}.experts.{pname} has {p.shape[0]} rows, expected num_experts={e}")
+            shards[f"{layer_name}.experts.{pname}"] = ExpertShard(tuple(p.shape), ep_rank * e_local)
+            if ep > 1:
+                local = p[ep_rank * e_local : (ep_rank + 1) * e_local].clone()
+                setattr(layer.experts, pname, nn.Parameter(local, requires_grad=p.requires_grad))
+        if ep > 1 or capacity_factor > 0:  # capacity is a property of the all-to-all transport
+            layer.dispatcher = AllToAllDispatcher(groups.ep, e, capacity_factor)
+    return shards

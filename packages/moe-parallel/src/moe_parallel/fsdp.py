@@ -1,0 +1,29 @@
+"""The FSDP2 baseline: torch's fully_shard with full resharding after forward (the "old stack").
+
+Every weight is sharded over data parallelism and all-gathered before each use, in forward and
+again in backward, on every micro-batch: the capacity tax this stack avoids. Kept for the
+old-versus-new comparison. Runs on CPU with gloo (torch >= 2.11) and on GPU with NCCL.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+
+def apply_fsdp(model: nn.Module, group: dist.ProcessGroup, device_type: str) -> nn.Module:
+    """Shard `model` over `group`: one FSDP unit per child of every nn.ModuleList (the blocks), plus the root.
+
+    reshard_after_forward=True everywhere (ZeRO-3 style). The returned module is `model`, now
+    holding DTensor parameters; gradient sync across micro-batches is controlled with
+    `model.set_requires_gradient_sync(last_micro_batch)`.
+    """
+    mesh = DeviceMesh.from_group(group, device_type)
+    for module in list(model.modules()):
+        if isinstance(module, nn.ModuleList):
+            for child in module:
+                fully_shard(child, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    return model

@@ -1,0 +1,57 @@
+"""Process groups built from a layout, handed around as one object (no hidden globals)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from moe_parallel.layout import ParallelLayout, RankCoords
+
+
+@dataclass
+class ParallelGroups:
+    """The groups this rank belongs to.
+
+    dp:  dense data parallelism (dense gradients are reduced here)
+    ep:  expert parallelism (token rows travel here)
+    edp: expert data parallelism (expert gradients are reduced here; size dp / ep)
+    pp:  pipeline stages (same dp_rank, one rank per stage)
+    world: every rank (global norms, metrics)
+    """
+
+    layout: ParallelLayout
+    coords: RankCoords
+    dp: dist.ProcessGroup
+    ep: dist.ProcessGroup
+    edp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    world: dist.ProcessGroup
+
+    @property
+    def rank(self) -> int:
+        return self.coords.rank
+
+
+def build_groups(layout: ParallelLayout, num_experts: int) -> ParallelGroups:
+    """Create every group of `layout` with torch.distributed.new_group; call on every rank.
+
+    The default process group must be initialised with world_size == layout.world_size.
+    new_group is collective over the world, so every rank creates every group in the same order
+    and keeps the ones that contain it.
+    """
+    world_size = dist.get_world_size()
+    layout.validate(world_size, num_experts)
+    coords = layout.coords(dist.get_rank())
+    mine: dict[str, dist.ProcessGroup] = {}
+    for kind, rank_lists in (
+        ("dp", layout.dp_groups()),
+        ("ep", layout.ep_groups()),
+        ("edp", layout.edp_groups()),
+        ("pp", layout.pp_groups()),
+    ):
+        for ranks in rank_lists:
+            group = dist.new_group(ranks)
+            if coords.rank in ranks:
+                mine[kind] = group
+    return ParallelGroups(layout, coords, mine["dp"], mine["ep"], mine["edp"], mine["pp"], dist.group.WORLD)

@@ -1,0 +1,194 @@
+"""The distributed Runtime: expert parallelism, resident-weight DDP and the ZeRO-1 optimizer.
+
+Parallelism is applied to the plain model from outside (moe_parallel); the loop sees the same
+calls as LocalRuntime. strategy="fsdp" swaps in the FSDP2 baseline (torch AdamW on DTensors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe_parallel import (
+    AdamWConfig,
+    DistributedAdamW,
+    ExpertShard,
+    FlatParams,
+    GradientSync,
+    ParallelGroups,
+    apply_expert_parallel,
+    apply_fsdp,
+    expert_parameter_names,
+    moe_layers,
+)
+from moe_train.config import Config
+from moe_train.trainer.runtime import CheckpointShard, FlatRange, Slice, StepResult
+from moe_train.trainer.schedule import param_groups
+
+
+class DistributedRuntime:
+    """Runtime over process groups already built (see runtime_factory.make_runtime).
+
+    param_dtype: dtype of the model's resident weights (e.g. torch.bfloat16 on GPU); None keeps
+    the model's own (fp32). The fp32 masters live in the optimizer either way.
+    """
+
+    def __init__(self, cfg: Config, device: torch.device, groups: ParallelGroups,
+                 param_dtype: torch.dtype | None = None, overlap: bool = True):
+        self.cfg = cfg
+        self.device = device
+        self.groups = groups
+        self.param_dtype = param_dtype
+        self.overlap = overlap
+        c = groups.coords
+        self.rank, self.world_size = c.rank, groups.layout.world_size
+        self.dp_rank, self.dp_size = c.dp_rank, groups.layout.dp
+        self.model: nn.Module | None = None
+        self.expert_shards: dict[str, ExpertShard] = {}
+        self.sync: GradientSync | None = None
+        self.optimizer: DistributedAdamW | None = None
+        self.torch_optimizer: torch.optim.AdamW | None = None  # fsdp baseline only
+
+    # ---- setup ---------------------------------------------------------------------------
+    def setup(self, model: nn.Module) -> nn.Module:
+        p, t = self.cfg.parallel, self.cfg.train
+        model = model.to(self.device)
+        if self.param_dtype is not None:
+            for param in model.parameters():
+                param.data = param.data.to(self.param_dtype)
+        self.model = model
+        if p.strategy == "fsdp":
+            return self._setup_fsdp(model)
+        self.expert_shards = apply_expert_parallel(model, self.groups, p.expert_capacity_factor)
+        expert_names = expert_parameter_names(model)
+        named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+        grad_dtype = torch.float32 if p.fp32_grad_accum else None
+        flats = [FlatParams([(n, q) for n, q in named if n not in expert_names], self.groups.dp,
+                            p.distributed_optimizer, grad_dtype)]
+        experts = [(n, q) for n, q in named if n in expert_names]
+        if experts:
+            flats.append(FlatParams(experts, self.groups.edp, p.distributed_optimizer, grad_dtype))
+        for flat in flats:  # same seed everywhere already; make replicas bit-identical regardless
+            if flat.group_size > 1:
+                dist.broadcast(flat.param_buffer, dist.get_global_rank(flat.group, 0), group=flat.group)
+        self.sync = GradientSync(flats, divisor=self.dp_size, overlap=self.overlap)
+        self.optimizer = DistributedAdamW(
+            flats, AdamWConfig(t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay, t.grad_clip), self.groups.world
+        )
+        return model
+
+    def _setup_fsdp(self, model: nn.Module) -> nn.Module:
+        if self.groups.layout.ep != 1:
+            raise ValueError(f"parallel.strategy='fsdp' is the dense-sharding baseline: expected ep=1, got ep={self.groups.layout.ep}")
+        for _, layer in moe_layers(model):
+            layer.router.lb_group = self.groups.dp
+        apply_fsdp(model, self.groups.dp, self.device.type)
+        t = self.cfg.train
+        self.torch_optimizer = torch.optim.AdamW(
+            param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+        )
+        return model
+
+    # ---- one optimizer step ----------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
+        """loss: this rank's micro-batch loss, already divided by grad_accum."""
+        if self.torch_optimizer is not None:
+            self.model.set_requires_gradient_sync(last_micro_batch)
+            loss.backward()
+            return
+        self.sync.begin_backward(last_micro_batch)
+        loss.backward()
+        if last_micro_batch:
+            self.sync.finish()
+
+    def step(self, lr: float) -> StepResult:
+        if self.torch_optimizer is not None:
+            return self._step_fsdp(lr)
+        result = self.optimizer.step(lr)
+        self.sync.zero_grads()
+        return StepResult(result.grad_norm, result.skipped)
+
+    def _step_fsdp(self, lr: float) -> StepResult:
+        params = [q for q in self.model.parameters() if q.grad is not None]
+        clip = self.cfg.train.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        skipped = not bool(torch.isfinite(norm))
+        if not skipped:
+            for group in self.torch_optimizer.param_groups:
+                group["lr"] = lr
+            self.torch_optimizer.step()
+        self.torch_optimizer.zero_grad(set_to_none=True)
+        return StepResult(float(norm), skipped)
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.optimizer.skipped_steps if self.optimizer is not None else 0
+
+    # ---- collectives for the loop ----------------------------------------------------------
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum t over every rank, in place (metrics, expert-bias load); returns t."""
+        dist.all_reduce(t, group=self.groups.world)
+        return t
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.groups.world)
+
+    # ---- state -----------------------------------------------------------------------------
+    def checkpoint_shards(self) -> list[CheckpointShard]:
+        """Model weights and optimizer state this rank holds, with global names, shapes and slices.
+
+        Weights: per-dim slices (experts: rows [ep_rank*E_local, +E_local) of [E, ...]), written by
+        the first replica. Optimizer: f"optim.{name}.master" / ".exp_avg" / ".exp_avg_sq" as flat
+        ranges of the flattened global tensor (one rank owns each element), plus "optim.step".
+        """
+        if self.optimizer is None:
+            raise NotImplementedError("checkpoint_shards needs strategy='ddp' (FSDP2 is a baseline only)")
+        out: list[CheckpointShard] = []
+        first_dense = self.groups.coords.dp_rank == 0
+        first_expert = self.groups.coords.edp_rank == 0
+        for name, q in self.model.named_parameters():
+            shard = self.expert_shards.get(name)
+            if shard is None:
+                out.append(CheckpointShard(name, tuple(q.shape), tuple((0, n) for n in q.shape), q.data, first_dense))
+            else:
+                dims = ((shard.row_offset, q.shape[0]), *((0, n) for n in q.shape[1:]))
+                out.append(CheckpointShard(name, shard.global_shape, dims, q.data, first_expert))
+        for flat, states in zip(self.optimizer.flats, self.optimizer.states):
+            for bucket, st in zip(flat.buckets, states):
+                lo, hi = bucket.shard_start, bucket.shard_start + bucket.shard_numel
+                for slot in bucket.slots:
+                    a, b = max(lo, slot.start), min(hi, slot.start + slot.numel)
+                    if a >= b:
+                        continue
+                    shard = self.expert_shards.get(slot.name)
+                    gshape = shard.global_shape if shard else tuple(slot.param.shape)
+                    base = shard.row_offset * (slot.numel // slot.param.shape[0]) if shard else 0
+                    rng = FlatRange(base + a - slot.start, b - a)
+                    for key, tensor in (("master", st.master), ("exp_avg", st.exp_avg), ("exp_avg_sq", st.exp_avg_sq)):
+                        out.append(CheckpointShard(f"optim.{slot.name}.{key}", gshape, rng, tensor[a - lo : b - lo],
+                                                   flat.owns_unique_shard))
+        step = torch.tensor(float(self.optimizer.step_count))
+        out.append(CheckpointShard("optim.step", (), (), step, self.rank == 0))
+        return out
+
+    def load_checkpoint_shards(self, read_fn: Callable[[str, Slice], torch.Tensor]) -> None:
+        """Fill weights and optimizer state from read_fn(global_name, slice) -> tensor of that slice."""
+        for s in self.checkpoint_shards():
+            self._assign(s, read_fn(s.global_name, s.slice))
+
+    @torch.no_grad()
+    def _assign(self, s: CheckpointShard, value: torch.Tensor) -> None:
+        if s.global_name == "optim.step":
+            self.optimizer.step_count = int(value.reshape(()).item())
+        else:
+            s.tensor.copy_(value.reshape(s.tensor.shape))
+
+    def close(self) -> None:
+        if self.sync is not None:
+            self.sync.remove_hooks()
+        if dist.is_initialized():
+            dist.destroy_process_group()
