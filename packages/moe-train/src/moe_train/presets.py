@@ -16,7 +16,7 @@ def tiny() -> Config:
             router=RouterConfig(top_k=2),
         ),
         data=DataConfig(seq_len=128, default_vocab_size=2048, default_max_bytes=3_000_000),
-        train=TrainConfig(steps=200, micro_batch_size=16, lr=3e-3, warmup_steps=20, eval_interval=50),
+        train=TrainConfig(steps=300, micro_batch_size=16, lr=3e-3, warmup_steps=30, eval_interval=50),
         preset="tiny",
     )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe_kernels import LocalDispatcher, TokenDispatcher, build_route_map, swiglu_experts
+from moe_kernels import IdentityCodec, LocalDispatcher, TokenDispatcher, build_route_map, moe_ffn, swiglu_experts
 from moe_precision import PrecisionRecipe
 from moe_train.config import ModelConfig
 from moe_train.model.layers import SwiGLU
@@ -43,12 +43,18 @@ class MoELayer(nn.Module):
         routed = self.router(flat)
         route_map = build_route_map(routed.expert_ids, self.num_experts)
         dtype = self.recipe.expert_gemm_dtype(flat)
-        result = self.dispatcher.dispatch(flat.to(dtype), route_map)
         w1 = self.experts.w_gate_up.to(dtype)
         w2 = self.experts.w_down.to(dtype)
-        expert_out = swiglu_experts(result.rows, w1, w2, result.offsets, self.gemm_backend)
-        out = self.dispatcher.combine(expert_out, result, routed.weights)
-        self.last_dropped = result.dropped
+        d = self.dispatcher
+        if isinstance(d, LocalDispatcher) and isinstance(d.codec, IdentityCodec):
+            # all experts here and nothing to encode: the fused block (gather, SwiGLU, combine in the GEMMs)
+            out = moe_ffn(flat.to(dtype), route_map, routed.weights, w1, w2, self.gemm_backend)
+            self.last_dropped = None
+        else:
+            result = d.dispatch(flat.to(dtype), route_map)
+            expert_out = swiglu_experts(result.rows, w1, w2, result.offsets, self.gemm_backend)
+            out = d.combine(expert_out, result, routed.weights)
+            self.last_dropped = result.dropped
         if self.shared_expert is not None:
             out = out + self.shared_expert(flat)
         return out.reshape(shape).to(x.dtype), routed.aux_loss
