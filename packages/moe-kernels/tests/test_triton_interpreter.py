@@ -12,6 +12,7 @@ import sys
 import pytest
 
 try:
+    import numpy  # noqa: F401  (Triton's interpreter runs on numpy; `pip install moe-kernels[test]` brings it)
     import triton  # noqa: F401
 
     HAVE_TRITON = True
@@ -75,7 +76,7 @@ def _check_block(torch, moe):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton or numpy (its interpreter needs it) is not installed")
 def test_triton_kernels_match_reference_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)

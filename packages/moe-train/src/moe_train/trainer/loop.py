@@ -147,6 +147,8 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         t, rt = self.cfg.train, self.runtime
         resumed = self.maybe_resume()
+        if resumed and self.is_main and t.progress:
+            print(f"resumed from {ckpt.latest(self.run_dir)} at step {self.step} of {t.steps}", flush=True)
         counts = count_params(self.cfg.model)
         if self.is_main:
             self.log.write({"event": "start", "resumed_from_step": self.step if resumed else None,
