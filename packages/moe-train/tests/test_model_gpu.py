@@ -1,4 +1,9 @@
-"""The model on a GPU: every expert backend gives the reference's output and gradients (bf16 tolerance)."""
+"""The model on a GPU: every expert backend is as close to the fp32 truth as the bf16 reference is.
+
+A whole-model backward at random init has gradients with heavy cancellation, so bf16 paths differ
+from each other by several percent; the fair check is each fast backend's error against the fp32
+model, bounded by the bf16 reference backend's own error.
+"""
 
 import pytest
 import torch
@@ -14,28 +19,32 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
+def loss_and_expert_grads(model, tokens, backend, bf16):
+    for layer in model.moe_layers():
+        layer.gemm_backend = backend
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+        ce, aux = model.loss(tokens[:, :-1], tokens[:, 1:])
+    (ce + aux).backward()
+    return float(ce), {n: p.grad.detach().clone() for n, p in model.named_parameters() if "experts" in n}
+
+
 @cuda
 @pytest.mark.parametrize("backend", ["triton", "torch", "auto"])
-def test_model_backends_match_reference_on_gpu(backend):
+def test_model_backends_are_as_accurate_as_the_reference_on_gpu(backend):
     cfg = ModelConfig(vocab_size=1000, d_model=256, num_layers=2, num_heads=4, num_kv_heads=2, qk_norm=True,
                       dense_hidden=512, num_experts=16, expert_hidden=128, shared_expert_hidden=128,
                       router=RouterConfig(top_k=4))
     torch.manual_seed(0)
     model = Transformer(cfg).cuda()
-    tokens = torch.randint(0, 1000, (3, 77), device="cuda")  # 231 tokens: fits no block size
-    results = {}
-    for b in ("reference", backend):
-        for layer in model.moe_layers():
-            layer.gemm_backend = b
-        model.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            ce, aux = model.loss(tokens[:, :-1], tokens[:, 1:])
-        (ce + aux).backward()
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if "experts" in n}
-        results[b] = (ce.detach(), grads)
-    assert abs(float(results[backend][0] - results["reference"][0])) < 2e-2
-    for name, g in results["reference"][1].items():
-        assert rel(results[backend][1][name], g) < 3e-2, name
+    tokens = torch.randint(0, 1000, (3, 78), device="cuda")  # 231 tokens: fits no block size
+    truth_loss, truth = loss_and_expert_grads(model, tokens, "reference", bf16=False)
+    ref_loss, ref = loss_and_expert_grads(model, tokens, "reference", bf16=True)
+    fast_loss, fast = loss_and_expert_grads(model, tokens, backend, bf16=True)
+    assert abs(fast_loss - truth_loss) <= 2 * abs(ref_loss - truth_loss) + 1e-2
+    for name, g in truth.items():
+        err_ref, err_fast = rel(ref[name], g), rel(fast[name], g)
+        assert err_fast <= 1.5 * err_ref + 1e-2, (name, err_fast, err_ref)
 
 
 @cuda
