@@ -12,7 +12,7 @@ from moe_train.config import Config
 from moe_train.model import Transformer, count_params, flops_per_token
 from moe_train.trainer.loop import pick_device
 from moe_train.trainer.mfu import peak_tflops
-from moe_train.trainer.schedule import param_groups
+from moe_train.trainer.runtime import LocalRuntime
 
 
 def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
@@ -20,23 +20,21 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
     t, m = cfg.train, cfg.model
     device = pick_device(t.device)
     torch.manual_seed(t.seed)
-    model = Transformer(m).to(device)
-    opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
-                            foreach=device.type == "cuda")
+    runtime = LocalRuntime(cfg, device)
+    model = runtime.setup(Transformer(m))
     seq, mb = cfg.data.seq_len, t.micro_batch_size
     amp = device.type == "cuda" and t.autocast_bf16
     g = torch.Generator(device="cpu").manual_seed(t.seed)
     batches = [torch.randint(0, m.vocab_size, (mb, seq + 1), generator=g) for _ in range(4)]
 
     def one_step(i: int) -> float:
+        """The trainer's path: runtime.backward per micro-batch, then runtime.step (clip + AdamW)."""
         for micro in range(t.grad_accum):
             b = batches[(i * t.grad_accum + micro) % len(batches)].to(device)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
                 ce, aux = model.loss(b[:, :-1], b[:, 1:])
-            ((ce + aux) / t.grad_accum).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            runtime.backward((ce + aux) / t.grad_accum, last_micro_batch=micro == t.grad_accum - 1)
+        runtime.step(t.lr)
         return float(ce.detach())
 
     for i in range(warmup):

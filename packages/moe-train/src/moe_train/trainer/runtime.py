@@ -91,7 +91,7 @@ class LocalRuntime:
         self.model = model.to(self.device)
         self.optimizer = torch.optim.AdamW(
             param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-            foreach=self.device.type == "cuda",
+            fused=self.device.type == "cuda",  # one kernel for the whole update: the single-GPU capacity tax
         )
         return self.model
 
@@ -122,9 +122,13 @@ class LocalRuntime:
         assert self.optimizer is not None
         st = self.optimizer.state[p]
         if not st:
-            st.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
-                      exp_avg_sq=torch.zeros_like(p))
+            st.update(step=torch.zeros((), dtype=torch.float32, device=self._step_device(p)),
+                      exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
         return st
+
+    def _step_device(self, p: torch.Tensor) -> torch.device:
+        """Fused AdamW keeps its step counts on the parameter's device, the others on the CPU."""
+        return p.device if self.device.type == "cuda" else torch.device("cpu")
 
     def checkpoint_shards(self) -> list[CheckpointShard]:
         """Everything is whole on one process; the master weight is the parameter itself."""
@@ -152,7 +156,7 @@ class LocalRuntime:
             st = self._adam_state(p)
             st["exp_avg"].copy_(read_fn(f"optim.{name}.exp_avg", whole).reshape(p.shape))
             st["exp_avg_sq"].copy_(read_fn(f"optim.{name}.exp_avg_sq", whole).reshape(p.shape))
-            st["step"] = step.clone()
+            st["step"] = step.to(self._step_device(p)).clone()
 
     def close(self) -> None:
         pass
