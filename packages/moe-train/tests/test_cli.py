@@ -66,3 +66,10 @@ def test_inspect_lists_tensors_and_layout(tmp_path, data_dir, make_config, capsy
 
 def test_inspect_of_a_missing_checkpoint_exits_2(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "nothing")]) == 2
+
+
+def test_impossible_layout_exits_2_with_one_line(tmp_path):
+    r = run_cli("train", "--parallel.dp=2", f"--train.run_dir={tmp_path}/run", cwd=tmp_path)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "dp=2 x pp=1 = 2 does not equal world_size=1" in lines[0]

@@ -131,7 +131,7 @@ COUNTED = ("reduce_scatter_tensor", "all_reduce", "all_gather_into_tensor", "all
 
 
 def _invalid_layout_messages() -> list[str]:
-    from moe_train.trainer.runtime_factory import make_runtime
+    from moe_train.trainer.launch import make_runtime
 
     messages = []
     for dp, ep, experts in INVALID_LAYOUTS:
@@ -146,7 +146,7 @@ def _invalid_layout_messages() -> list[str]:
 
 
 def _run(cfg: Config, tokens: np.ndarray, on_micro_batch=None) -> dict:  # noqa: ANN001
-    from moe_train.trainer.runtime_factory import make_runtime
+    from moe_train.trainer.launch import make_runtime
 
     rt = make_runtime(cfg, torch.device("cpu"))
     res = train(cfg, rt, tokens, on_micro_batch)

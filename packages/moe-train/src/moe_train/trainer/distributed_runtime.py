@@ -30,7 +30,7 @@ from moe_train.trainer.schedule import param_groups
 
 
 class DistributedRuntime:
-    """Runtime over process groups already built (see runtime_factory.make_runtime).
+    """Runtime over process groups already built (see launch.make_runtime).
 
     param_dtype: dtype of the model's resident weights (e.g. torch.bfloat16 on GPU); None keeps
     the model's own (fp32). The fp32 masters live in the optimizer either way.

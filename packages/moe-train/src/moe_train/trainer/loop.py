@@ -20,7 +20,7 @@ from moe_train.trainer.data_setup import resolve_data_dir
 from moe_train.trainer.metrics import MetricsLog, peak_memory_gib, router_health
 from moe_train.trainer.mfu import peak_tflops
 from moe_train.trainer.runtime import Runtime
-from moe_train.trainer.runtime_factory import make_runtime
+from moe_train.trainer.launch import make_runtime
 from moe_train.trainer.schedule import lr_at
 
 

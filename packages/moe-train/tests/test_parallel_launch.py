@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from moe_train.presets import tiny
 from moe_train.trainer.runtime import LocalRuntime
-from moe_train.trainer.runtime_factory import make_runtime
+from moe_train.trainer.launch import make_runtime
 
 
 @pytest.fixture(autouse=True)

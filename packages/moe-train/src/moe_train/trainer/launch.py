@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from moe_parallel import ParallelLayout, build_groups
-from moe_train.config import Config
+from moe_train.config import Config, ConfigError
 from moe_train.trainer.distributed_runtime import DistributedRuntime
 from moe_train.trainer.runtime import LocalRuntime, Runtime
 
@@ -35,7 +35,10 @@ def make_runtime(cfg: Config, device: torch.device) -> Runtime:
              and p.param_dtype == "fp32")
     if world == 1 and plain:
         return LocalRuntime(cfg, device)
-    layout.validate(world, cfg.model.num_experts)
+    try:
+        layout.validate(world, cfg.model.num_experts)
+    except ValueError as e:  # the same one line on every rank, before any process group exists
+        raise ConfigError(f"parallel layout: {e}") from None
     rank = int(os.environ.get("RANK", "0"))
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
