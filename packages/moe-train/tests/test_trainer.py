@@ -72,3 +72,18 @@ def test_resume_into_a_different_model_names_the_tensor_and_shapes(tmp_path, dat
         assert "experts.w_gate_up" in str(e) and "48" in str(e) and "32" in str(e), str(e)
     else:
         raise AssertionError("resuming into a different model must fail")
+
+
+def test_tied_embeddings_are_saved_once_and_resume(tmp_path, data_dir, make_config):
+    from moe_ckpt import inspect_checkpoint
+
+    cfg = make_config(tmp_path, steps=2, eval_interval=0, save_interval=2)
+    cfg.data.path = str(data_dir)
+    cfg.model.tie_embeddings = True
+    Trainer(cfg).train()
+    names = set(inspect_checkpoint(tmp_path / "run" / "checkpoints")["tensors"])
+    assert "embed.weight" in names and "lm_head.weight" not in names
+    cfg.train.steps = 3
+    trainer = Trainer(cfg)
+    assert trainer.train()["step"] == 3
+    assert trainer.model.lm_head.weight is trainer.model.embed.weight

@@ -31,10 +31,10 @@ def _region(sl: Slice) -> Box | FlatRange:
 
 def _buffer_shards(model: nn.Module, rank: int) -> list[CheckpointShard]:
     """Persistent buffers (e.g. the routers' expert bias): replicated, written by rank 0."""
-    params = {n for n, _ in model.named_parameters()}
+    param_storage = {p.data_ptr() for p in model.parameters()}
     out = []
     for name, t in model.state_dict().items():
-        if name not in params:
+        if t.data_ptr() not in param_storage:  # tied weights (lm_head = embed) are saved once, as the parameter
             out.append(CheckpointShard(name, tuple(t.shape), tuple((0, n) for n in t.shape), t, rank == 0))
     return out
 
