@@ -126,3 +126,20 @@ def test_saving_over_an_existing_checkpoint_is_refused(ck2):
 def test_local_data_must_match_its_region():
     with pytest.raises(ValueError, match=r"local data has shape \(3, 2\).* needs \(4, 2\)"):
         ShardSpec("w", (8, 2), torch.ones(3, 2), Box.dim0((8, 2), 4, 4))
+
+
+def test_verify_checkpoint_checks_every_file_once(tmp_path):
+    import torch
+
+    from moe_ckpt import ChecksumMismatchError, ShardSpec, save_checkpoint, verify_checkpoint
+
+    path = save_checkpoint(tmp_path / "step-00000001", [ShardSpec("w", (4, 3), torch.randn(4, 3))])
+    assert verify_checkpoint(path) == path
+    shard = next(path.glob("*.safetensors"))
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    import pytest
+
+    with pytest.raises(ChecksumMismatchError, match="corrupt"):
+        verify_checkpoint(path)

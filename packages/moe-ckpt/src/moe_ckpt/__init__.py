@@ -18,7 +18,7 @@ from moe_ckpt.errors import (
     UncoveredRegionError,
 )
 from moe_ckpt.geometry import Box, FlatRange, Region, even_split, split_flat_buffer
-from moe_ckpt.load import load_checkpoint, load_metadata
+from moe_ckpt.load import load_checkpoint, load_metadata, verify_checkpoint
 from moe_ckpt.rng import capture_rng_state, restore_rng_state
 from moe_ckpt.run_dir import apply_retention, find_latest, list_checkpoints, step_dir
 from moe_ckpt.save import save_checkpoint
@@ -55,4 +55,5 @@ __all__ = [
     "save_checkpoint",
     "split_flat_buffer",
     "step_dir",
+    "verify_checkpoint",
 ]

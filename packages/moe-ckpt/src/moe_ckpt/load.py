@@ -75,6 +75,19 @@ def load_checkpoint(
     return out
 
 
+def verify_checkpoint(path: str | Path) -> Path:
+    """Check every shard file's presence, size and checksum once; returns the resolved path.
+
+    Lets a reader that loads tensor by tensor pass verify=False afterwards.
+    """
+    path = resolve(path)
+    index = read_index(path)
+    with _Files(path, index, verify=True) as files:
+        for fname in index.files:
+            files.get(fname)
+    return path
+
+
 def _validate(index: Index, requests: Sequence[LoadRequest]) -> None:
     names = [r.name for r in requests]
     dup = sorted({n for n in names if names.count(n) > 1})

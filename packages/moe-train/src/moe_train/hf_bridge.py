@@ -21,10 +21,12 @@ from huggingface_hub import HfApi
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from moe_ckpt import LoadRequest, inspect_checkpoint, load_checkpoint, load_metadata, verify_checkpoint
 from moe_ckpt.hf import ExportSummary, HFConversionError, TensorSource, export_hf_folder, open_hf_folder
 from moe_train.config import Config
 from moe_train.config_io import config_from_dict
 from moe_train.model import Transformer
+from moe_train.trainer.data_setup import default_data_dir
 
 # A reader takes a path and returns (Config.to_dict(), tensor source), or None when the layout is not its own.
 CheckpointReader = Callable[[Path], "tuple[dict[str, Any], TensorSource] | None"]
@@ -61,10 +63,35 @@ def _safetensors_reader(path: Path) -> tuple[dict[str, Any], TensorSource] | Non
     return cfg, lambda name: handle.get_tensor(name)
 
 
+def _moe_ckpt_reader(path: Path) -> tuple[dict[str, Any], TensorSource] | None:
+    """The trainer's checkpoints (moe-ckpt, any layout): weights from the fp32 masters, buffers by name."""
+    if not (path / "index.json").is_file():
+        return None
+    meta = load_metadata(path)
+    cfg = meta.get("config")
+    if not isinstance(cfg, dict) or "model" not in cfg:
+        raise HFConversionError(f"checkpoint {str(path)!r}: its metadata has no 'config' with a 'model' section")
+    data = cfg.get("data", {})
+    if data.get("path") == "default":  # trained on the embedded corpus: export the tokenizer it made
+        folder = default_data_dir(config_from_dict(cfg).data)
+        if (folder / "meta.json").is_file():
+            cfg = {**cfg, "data": {**data, "path": str(folder)}}
+    names = set(inspect_checkpoint(path)["tensors"])
+    verify_checkpoint(path)  # once for all files; each tensor read below then skips the checksum
+
+    def read(name: str) -> torch.Tensor:
+        stored = f"optim.{name}.master" if f"optim.{name}.master" in names else name
+        if stored not in names:
+            raise HFConversionError(f"checkpoint {str(path)!r} has no tensor {name!r}")
+        return load_checkpoint(path, [LoadRequest(stored)], verify=False)[stored]
+
+    return cfg, read
+
+
 def load_checkpoint_source(ckpt: str | Path) -> tuple[Config, TensorSource]:
     """(Config, lazy tensor source by our names) for a run dir or checkpoint dir."""
     path = _resolve_checkpoint(Path(ckpt))
-    for reader in [*CHECKPOINT_READERS, _safetensors_reader]:
+    for reader in [*CHECKPOINT_READERS, _moe_ckpt_reader, _safetensors_reader]:
         found = reader(path)
         if found is not None:
             return config_from_dict(found[0]), found[1]
