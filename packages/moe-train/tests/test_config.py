@@ -47,3 +47,11 @@ def test_bad_config_names_the_field(overrides, message):
 def test_unknown_preset_lists_the_known_ones():
     with pytest.raises(ConfigError, match="preset='huge': expected one of tiny, olmo3-bench-e8"):
         build_config("huge")
+
+
+def test_fsdp_baseline_refuses_checkpoints_and_expert_parallelism_up_front():
+    with pytest.raises(ConfigError, match="train.save_interval=100: expected 0 with parallel.strategy='fsdp'"):
+        build_config("tiny", None, parse_overrides(["--parallel.strategy=fsdp"]))
+    with pytest.raises(ConfigError, match="parallel.ep=2: expected 1 with parallel.strategy='fsdp'"):
+        build_config("tiny", None, parse_overrides(["--parallel.strategy=fsdp", "--train.save_interval=0",
+                                                    "--parallel.ep=2", "--parallel.dp=2"]))

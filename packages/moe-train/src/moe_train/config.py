@@ -177,6 +177,10 @@ def validate(cfg: Config) -> Config:
     _choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
     _choice("parallel.strategy", p.strategy, ("ddp", "fsdp"))
     _choice("parallel.param_dtype", p.param_dtype, ("fp32", "bf16"))
+    if p.strategy == "fsdp":
+        _check(t.save_interval == 0, "train.save_interval", t.save_interval,
+               "0 with parallel.strategy='fsdp' (the FSDP2 baseline writes no checkpoints)")
+        _check(p.ep == 1, "parallel.ep", p.ep, "1 with parallel.strategy='fsdp' (the dense-sharding baseline)")
     _check(p.pp == 1, "parallel.pp", p.pp, "1 (pipeline parallelism is not built yet)")
     if p.ep > 1:
         _check(m.num_experts > 0 and m.num_experts % p.ep == 0, "parallel.ep", p.ep,
