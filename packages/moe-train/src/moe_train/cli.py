@@ -91,10 +91,11 @@ def _cmd_inspect(args) -> None:
     from pathlib import Path
 
     from moe_ckpt import format_checkpoint
+    from moe_train.trainer.checkpoint import checkpoint_root
 
     path = Path(args.checkpoint)
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
+    if checkpoint_root(path).is_dir():  # a run folder
+        path = checkpoint_root(path)
     print(format_checkpoint(path))
 
 

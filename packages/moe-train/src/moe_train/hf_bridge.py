@@ -26,6 +26,7 @@ from moe_ckpt.hf import ExportSummary, HFConversionError, TensorSource, export_h
 from moe_train.config import Config
 from moe_train.config_io import config_from_dict
 from moe_train.model import Transformer
+from moe_train.trainer import checkpoint as ckpt
 from moe_train.trainer.data_setup import default_data_dir
 
 # A reader takes a path and returns (Config.to_dict(), tensor source), or None when the layout is not its own.
@@ -40,10 +41,8 @@ def register_checkpoint_reader(reader: CheckpointReader) -> None:
 
 
 def _resolve_checkpoint(path: Path) -> Path:
-    latest = path / "checkpoints" / "latest"
-    if latest.is_file():  # a run dir: use its newest complete checkpoint
-        return path / "checkpoints" / latest.read_text().strip()
-    return path
+    """A run dir resolves to its newest complete checkpoint; anything else is taken as given."""
+    return ckpt.latest(path) or path
 
 
 def _safetensors_reader(path: Path) -> tuple[dict[str, Any], TensorSource] | None:

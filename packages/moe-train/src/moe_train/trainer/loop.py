@@ -114,8 +114,15 @@ class Trainer:
                 "skipped": float(result.skipped)}
 
     def _update_expert_bias(self) -> None:
-        for _, router in self.model.routers():
-            router.update_expert_bias(self.runtime.all_reduce_sum(router.step_load.clone()))
+        """One all-reduce of every router's step load, and only when some router uses the bias."""
+        routers = [router for _, router in self.model.routers()]
+        if not any(r.cfg.expert_bias for r in routers):
+            for r in routers:
+                r.update_expert_bias()  # nothing to move; clears the step's load
+            return
+        loads = self.runtime.all_reduce_sum(torch.stack([r.step_load for r in routers]))
+        for r, load in zip(routers, loads):
+            r.update_expert_bias(load)
 
     # -- checkpoints ------------------------------------------------------------------------
     def _metadata(self) -> dict[str, Any]:
@@ -131,24 +138,26 @@ class Trainer:
         return ckpt.save(self.run_dir, self.step, self.runtime, self.model, self._metadata(),
                          self.cfg.train.keep_last, self.async_saver, self.save_barrier)
 
-    def maybe_resume(self) -> bool:
+    def maybe_resume(self) -> Path | None:
+        """Load the run's latest checkpoint when resuming is on; returns its path, or None."""
         path = ckpt.latest(self.run_dir) if self.cfg.train.resume else None
         if path is None:
-            return False
+            return None
         meta = ckpt.load(path, self.runtime, self.model)
         self.step = int(meta["step"])
         self.skipped_steps = int(meta["skipped_steps"])
         self.sampler.load_state_dict(meta["sampler"])
         if meta["layout"]["world_size"] == self.runtime.world_size:
             restore_rng_state(meta["rng"])  # another layout draws its own random streams
-        return True
+        return path
 
     # -- the loop ---------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         t, rt = self.cfg.train, self.runtime
-        resumed = self.maybe_resume()
+        resumed_from = self.maybe_resume()
+        resumed = resumed_from is not None
         if resumed and self.is_main and t.progress:
-            print(f"resumed from {ckpt.latest(self.run_dir)} at step {self.step} of {t.steps}", flush=True)
+            print(f"resumed from {resumed_from} at step {self.step} of {t.steps}", flush=True)
         counts = count_params(self.cfg.model)
         if self.is_main:
             self.log.write({"event": "start", "resumed_from_step": self.step if resumed else None,
@@ -194,7 +203,8 @@ class Trainer:
             if t.eval_interval > 0 and (self.step % t.eval_interval == 0 or self.step == t.steps):
                 last_eval = self.evaluate()
                 self.log.write({"step": self.step, "eval_loss": last_eval})
-                bar.write(f"step {self.step}: eval loss {last_eval:.4f}") if self.is_main and t.progress else None
+                if self.is_main and t.progress:
+                    bar.write(f"step {self.step}: eval loss {last_eval:.4f}")
             if t.save_interval > 0 and (self.step % t.save_interval == 0 or self.step == t.steps):
                 self.save()
         bar.close()

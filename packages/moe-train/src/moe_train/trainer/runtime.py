@@ -7,6 +7,7 @@ implements the same calls.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -103,8 +104,8 @@ class LocalRuntime:
         params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.cfg.train.grad_clip
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        norm_value = float(norm)
-        skipped = not torch.isfinite(norm).item()
+        norm_value = float(norm)  # the one host read of the step
+        skipped = not math.isfinite(norm_value)
         if not skipped:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
