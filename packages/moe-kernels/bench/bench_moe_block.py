@@ -13,6 +13,7 @@ weights; times are medians of CUDA-event-timed iterations after warm-up, with th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import subprocess
@@ -131,9 +132,10 @@ def bench_shape(name, E, iters, methods, seed=0):
         a, b = ours(*args), torch_grouped_mm_block(*args)
         row["rel_err_vs_torch_block"] = [((p.float() - q.float()).norm() / q.float().norm()).item() for p, q in zip(a, b)]
     if "ours" in methods:
-        from moe_kernels.expert_ffn import _BLOCK_CHOICE
+        from moe_kernels.expert_ffn import tuned_plans
 
-        row["ours_backend"] = next((v for k, v in _BLOCK_CHOICE.items() if k[1] == tuple(w1.shape)), "n/a")
+        plan = next((v for k, v in tuned_plans().items() if k[1] == tuple(w1.shape) and k[4]), None)
+        row["ours_plan"] = dataclasses.asdict(plan) if plan is not None else "n/a"
     return row
 
 
@@ -143,14 +145,16 @@ def profile(name, E):
     for t in (x, weights, w1, w2):
         t.requires_grad_()
     args = (ids, weights, x, w1, w2, gy, E)
-    for fn in (lambda *a: ours(*a, backend="triton"), torch_grouped_mm_block):
+    variants = {"ours (triton)": lambda *a: ours(*a, backend="triton"), "ours (torch GEMMs)": lambda *a: ours(*a, backend="torch"),
+                "torch block": torch_grouped_mm_block}
+    for label, fn in variants.items():
         for _ in range(3):
             fn(*args)
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             fn(*args)
             torch.cuda.synchronize()
-        print(f"--- {'torch block' if fn is torch_grouped_mm_block else 'ours (triton)'} shape {name} E={E}")
+        print(f"--- {label} shape {name} E={E}")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
@@ -199,7 +203,7 @@ def main():
         if "ours" in r and "dense" in r and "torch_grouped_mm" in r:
             extra = f"  {r['ours']['tflops'] / r['dense']['tflops']:10.2f} {r['ours']['tflops'] / r['torch_grouped_mm']['tflops']:10.2f}"
         print(f"{r['shape']:>5} {r['E']:>4} " + " ".join(f"{r[m]['tflops']:16.1f}" for m in methods) + extra
-              + f"  auto={r.get('ours_backend', '')}")
+              + "  plan=" + (",".join(f"{k}:{v}" for k, v in r["ours_plan"].items()) if isinstance(r.get("ours_plan"), dict) else ""))
 
 
 if __name__ == "__main__":

@@ -87,6 +87,19 @@ def test_triton_moe_block_matches_reference_outputs_and_grads(case, dtype, tol):
     if dtype == torch.bfloat16:  # torch grouped_mm GEMMs between the triton row kernels; and auto's choice
         for b in ("torch", "auto"):
             others.append(run_block(lambda x, w, a, c, b=b: moe_ffn(x, rm, w, a, c, backend=b), leaves, dtype, "cuda", grad_out))
+
+        def model_path_grouped_mm(x, w, a, b):
+            res = disp.dispatch(x, rm)
+            return disp.combine(swiglu_experts(res.rows, a, b, res.offsets, backend="torch"), res, w)
+
+        others.append(run_block(model_path_grouped_mm, leaves, dtype, "cuda", grad_out))
+        from moe_kernels.triton.ffn_kernels import BlockPlan, swiglu_ffn_routed
+
+        for plan in (BlockPlan("grouped_mm", "triton", "triton", "grouped_mm", "grouped_mm", "triton"),
+                     BlockPlan("fused", "grouped_mm", "grouped_mm", "triton", "triton", "grouped_mm")):
+            others.append(run_block(
+                lambda x, w, a, b, plan=plan: swiglu_ffn_routed(x, w, a, b, rm.offsets, rm.sort_order, rm.dest_row, plan),
+                leaves, dtype, "cuda", grad_out))
     names = ["out", "grad_x", "grad_weights", "grad_w_gate_up", "grad_w_down"]
     for got in others:
         errs = {n: rel(a, b) for n, a, b in zip(names, got, ref)}
@@ -117,6 +130,71 @@ def test_triton_grouped_gemm_matches_reference_with_empty_experts(dtype, tol):
     assert rel(xx.grad.double().cpu(), ref_x.grad) < tol
     assert rel(ww.grad.double().cpu(), ref_w.grad) < tol
     assert torch.all(ww.grad[::3] == 0)
+
+
+def _block_configs():
+    from moe_kernels.triton import grouped_gemm_kernels as gg
+
+    return [("gemm", c) for c in gg._GEMM_CONFIGS_BF16] + [("swiglu", c) for c in gg._SWIGLU_CONFIGS_BF16] + [
+        ("wgrad", c) for c in gg._WGRAD_CONFIGS_BF16
+    ]
+
+
+@pytest.mark.parametrize("kind,config", _block_configs(), ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{x}" for k, x in v.items()))
+def test_every_bf16_block_config_matches_reference(kind, config):
+    """Each block shape the tuner may pick (pointer loads and tensor descriptors), forced, on
+    experts of odd sizes with empty ones; every operand layout the block uses."""
+    from moe_kernels.triton.grouped_gemm_kernels import grouped_gemm_launch, grouped_wgrad_launch
+
+    g = torch.Generator().manual_seed(11)
+    E, K, M, k, T = 12, 264, 200, 2, 450
+    counts = torch.randint(1, 130, (E,), generator=g)
+    counts[[2, 7]] = 0
+    counts[-1] = T * k - int(counts[:-1].sum())
+    assert counts[-1] > 0
+    ends = torch.cumsum(counts, 0)
+    offs = ends.to(torch.int32).cuda()
+    spans = list(zip([0] + ends[:-1].tolist(), ends.tolist()))
+    N = T * k
+    sort_order = torch.randperm(N, generator=g)
+    bf = lambda t: t.to("cuda", torch.bfloat16)  # noqa: E731
+    x = bf(torch.randn(T, K, generator=g))
+    xs = x.double()[sort_order.cuda() // k]
+    if kind == "gemm":
+        w = bf(torch.randn(E, K, M, generator=g) / K**0.5)
+        wt = bf(torch.randn(E, M, K, generator=g) / K**0.5)  # B = wt^T, as in dgrad
+        for b in (w, wt.transpose(1, 2)):
+            c = grouped_gemm_launch(xs.bfloat16(), b, offs, out_cols=M, c=torch.empty(N, M, dtype=torch.bfloat16, device="cuda"), config=config)
+            ref = torch.cat([xs[s:t] @ b[e].double() for e, (s, t) in enumerate(spans)])
+            assert rel(c.double(), ref) < 1e-2
+    elif kind == "swiglu":
+        h = M // 2
+        w1 = bf(torch.randn(E, K, 2 * h, generator=g) / K**0.5)
+        pre = torch.empty(N, 2 * h, dtype=torch.bfloat16, device="cuda")
+        act = torch.empty(N, h, dtype=torch.bfloat16, device="cuda")
+        grouped_gemm_launch(x, w1, offs, out_cols=h, c=act, gather=sort_order.to("cuda", torch.int32), top_k=k,
+                            epilogue=1, aux=pre, swiglu_h=h, config=config)
+        ref_pre = torch.cat([xs[s:t] @ w1[e].double() for e, (s, t) in enumerate(spans)])
+        gate, up = ref_pre.chunk(2, dim=1)
+        assert rel(pre.double(), ref_pre) < 1e-2
+        assert rel(act.double(), torch.nn.functional.silu(gate) * up) < 1e-2
+        w2 = bf(torch.randn(E, h, K, generator=g) / h**0.5)
+        dy = bf(torch.randn(N, K, generator=g))
+        d_pre = torch.empty_like(pre)
+        grouped_gemm_launch(dy, w2.transpose(1, 2), offs, out_cols=h, c=d_pre, epilogue=2, aux=pre, swiglu_h=h, config=config)
+        d_act = torch.cat([dy.double()[s:t] @ w2[e].double().T for e, (s, t) in enumerate(spans)])
+        gd, ud = pre.double().chunk(2, dim=1)
+        sig = torch.sigmoid(gd)
+        ref = torch.cat([d_act * ud * sig * (1 + gd * (1 - sig)), d_act * gd * sig], dim=1)
+        assert rel(d_pre.double(), ref) < 1e-2
+    else:
+        dy = bf(torch.randn(N, M, generator=g))
+        for gather in (None, sort_order.to("cuda", torch.int32)):
+            a = xs.bfloat16() if gather is None else x
+            dw = grouped_wgrad_launch(a, dy, offs, E, gather=gather, top_k=k, config=config)
+            ref = torch.stack([xs[s:t].T @ dy.double()[s:t] for s, t in spans])
+            assert rel(dw.double(), ref) < 1e-2
+            assert torch.all(dw[[2, 7]] == 0)
 
 
 def test_triton_permute_combine_match_reference_and_are_deterministic():

@@ -76,6 +76,65 @@ def _check_block(torch, moe):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4)
 
 
+def _check_tensor_descriptor_paths(torch):
+    """The TMA (tensor-descriptor) variants of the grouped GEMM kernels: forward, transposed B
+    (dgrad) and wgrad, with an empty expert and sizes that are no multiple of the blocks. On the
+    GPU they run only for bf16/fp16; here they are forced on fp32 data to check their indexing."""
+    import moe_kernels.triton.grouped_gemm_kernels as gg
+
+    gg._tma_capable = lambda t: True
+    gg._CPU_GEMM = [dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, tma=True)]
+    gg._CPU_WGRAD = [dict(BLOCK_K=32, BLOCK_N=32, BLOCK_R=32, tma=True)]
+    g = torch.Generator().manual_seed(3)
+    E, K, N = 5, 48, 40
+    counts = [7, 0, 33, 1, 20]
+    ends = torch.tensor(counts).cumsum(0)
+    offs, R = ends.to(torch.int32), int(ends[-1])
+    spans = list(zip([0] + ends[:-1].tolist(), ends.tolist()))
+    a, dy = torch.randn(R, K, generator=g), torch.randn(R, N, generator=g)
+    w, wt = torch.randn(E, K, N, generator=g), torch.randn(E, N, K, generator=g)
+    c = gg.grouped_gemm_launch(a, w, offs, out_cols=N, c=torch.empty(R, N))
+    torch.testing.assert_close(c, torch.cat([a[s:t] @ w[e] for e, (s, t) in enumerate(spans)]), rtol=1e-4, atol=1e-4)
+    c = gg.grouped_gemm_launch(a, wt.transpose(1, 2), offs, out_cols=N, c=torch.empty(R, N))
+    torch.testing.assert_close(c, torch.cat([a[s:t] @ wt[e].T for e, (s, t) in enumerate(spans)]), rtol=1e-4, atol=1e-4)
+    dw = gg.grouped_wgrad_launch(a, dy, offs, E)
+    torch.testing.assert_close(dw, torch.stack([a[s:t].T @ dy[s:t] for s, t in spans]), rtol=1e-4, atol=1e-4)
+
+
+def _check_block_plans(torch, moe):
+    """GEMM plans that mix our Triton kernels with torch grouped_mm (its CPU kernel here), routed
+    and on sorted rows, against the reference."""
+    from moe_kernels.triton.ffn_kernels import ALL_GROUPED_MM, BlockPlan, swiglu_ffn_routed, swiglu_ffn_sorted
+
+    plans = [
+        ALL_GROUPED_MM,
+        BlockPlan("grouped_mm", "triton", "triton", "grouped_mm", "grouped_mm", "triton"),
+        BlockPlan("fused", "grouped_mm", "grouped_mm", "triton", "triton", "grouped_mm"),
+    ]
+    T, d, h, E, k = 29, 24, 40, 6, 2
+    g = torch.Generator().manual_seed(5)
+    allowed = torch.tensor([0, 1, 3, 5])  # experts 2 and 4 empty
+    ids = allowed[torch.rand(T, len(allowed), generator=g).topk(k, dim=1).indices]
+    rm = moe.build_route_map(ids, E, backend="reference")
+    leaves = [torch.randn(T, d, generator=g), torch.rand(T, k, generator=g),
+              torch.randn(E, d, 2 * h, generator=g) / d**0.5, torch.randn(E, h, d, generator=g) / h**0.5]
+    grad = torch.randn(T, d, generator=g)
+    ref = [t.clone().requires_grad_() for t in leaves]
+    moe.moe_ffn(ref[0], rm, ref[1], ref[2], ref[3], backend="reference").backward(grad)
+    ref_out = moe.moe_ffn(*[t.detach() for t in ref[:1]], rm, ref[1].detach(), ref[2].detach(), ref[3].detach(), backend="reference")
+    rows = leaves[0][rm.source_token]
+    ref_sorted = moe.swiglu_experts(rows, leaves[2], leaves[3], rm.offsets, backend="reference")
+    for plan in plans:
+        xs = [t.clone().requires_grad_() for t in leaves]
+        out = swiglu_ffn_routed(xs[0], xs[1], xs[2], xs[3], rm.offsets, rm.sort_order, rm.dest_row, plan)
+        out.backward(grad)
+        torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
+        for a, b in zip(xs, ref):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4)
+        out = swiglu_ffn_sorted(rows, leaves[2], leaves[3], rm.offsets, plan)
+        torch.testing.assert_close(out, ref_sorted, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton or numpy (its interpreter needs it) is not installed")
 def test_triton_kernels_match_reference_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -92,4 +151,6 @@ if __name__ == "__main__":
     torch.set_num_threads(2)
     _check_route_map(torch, moe)
     _check_block(torch, moe)
+    _check_block_plans(torch, moe)
+    _check_tensor_descriptor_paths(torch)  # last: it replaces the CPU block shapes
     print("ok")

@@ -3,7 +3,9 @@
 `swiglu_experts` runs on rows already in expert order (after a dispatcher); `moe_ffn` is the
 whole block from token rows: gather, two grouped GEMMs with SwiGLU, weighted combine. The
 triton backend fuses the gather into the first GEMM's A-load and SwiGLU (forward and
-backward) into GEMM epilogues; torch and reference compose the unfused ops.
+backward) into GEMM epilogues; the torch backend on a GPU runs torch grouped_mm GEMMs between
+our permute, one-pass SwiGLU and combine kernels; elsewhere torch and reference compose the
+unfused ops.
 """
 
 from __future__ import annotations
@@ -11,16 +13,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moe_kernels.grouped_gemm import GemmBackend, grouped_gemm
+from moe_kernels.grouped_gemm import GemmBackend, grouped_gemm, torch_grouped_mm_supported
 from moe_kernels.permute import combine, permute
 from moe_kernels.route_map import RouteMap
 from moe_kernels.triton import triton_runs_on
-
-
-def _use_triton(backend: str, x: torch.Tensor) -> bool:
-    if backend not in ("auto", "triton", "torch", "reference"):
-        raise ValueError(f"backend={backend!r} is not one of 'auto', 'triton', 'torch', 'reference'")
-    return backend == "triton" or (backend == "auto" and triton_runs_on(x))
 
 
 def _check_weights(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, offsets: torch.Tensor) -> None:
@@ -44,11 +40,12 @@ def swiglu_experts(
 
     x_sorted: [N, d]; w_gate_up: [E, d, 2h] (gate then up); w_down: [E, h, d]; offsets: [E] int32 -> [N, d].
     """
-    if _use_triton(backend, x_sorted):
+    plan = _plan(backend, x_sorted, w_gate_up, w_down, offsets)
+    if plan is not None:
         from moe_kernels.triton.ffn_kernels import swiglu_ffn_sorted
 
         _check_weights(x_sorted, w_gate_up, w_down, offsets)
-        return swiglu_ffn_sorted(x_sorted, w_gate_up, w_down, offsets)
+        return swiglu_ffn_sorted(x_sorted, w_gate_up, w_down, offsets, plan)
     h = grouped_gemm(x_sorted, w_gate_up, offsets, backend)
     gate, up = h.chunk(2, dim=-1)
     return grouped_gemm(F.silu(gate) * up, w_down, offsets, backend)
@@ -74,51 +71,89 @@ def moe_ffn(
             f"x {tuple(x.shape)} and weights {tuple(weights.shape)} do not match the route map's "
             f"T={route_map.num_tokens}, k={route_map.top_k}"
         )
-    if backend == "auto":
-        backend = _pick_block_backend(x, route_map, weights, w_gate_up, w_down)
-    if _use_triton(backend, x):
+    plan = _plan(backend, x, w_gate_up, w_down, route_map.offsets, route_map)
+    if plan is not None:
         from moe_kernels.triton.ffn_kernels import swiglu_ffn_routed
 
-        return swiglu_ffn_routed(x, weights, w_gate_up, w_down, route_map.offsets, route_map.sort_order, route_map.dest_row)
-    # "torch": grouped_mm GEMMs between the (triton where available) permute and combine kernels
+        return swiglu_ffn_routed(x, weights, w_gate_up, w_down, route_map.offsets, route_map.sort_order, route_map.dest_row, plan)
+    # torch grouped_mm (or reference) GEMMs composed with permute and combine (CPU, or no triton)
     rows_backend = "reference" if backend == "reference" else "auto"
     y = swiglu_experts(permute(x, route_map, rows_backend), w_gate_up, w_down, route_map.offsets, backend)
     return combine(y, route_map, weights, rows_backend)
 
 
-_BLOCK_CHOICE: dict[tuple, str] = {}
+_PLANS: dict[tuple, object] = {}
 
 
-def _pick_block_backend(x, route_map, weights, w_gate_up, w_down) -> str:
-    """auto: triton (fused) or torch grouped_mm GEMMs, whichever runs the block's forward+backward
-    faster on this shape, timed once per shape and cached (the fused Triton GEMM wins on small
-    d and h; cuBLAS/CUTLASS grouped_mm can win on large ones). Without CUDA: torch or reference."""
-    from moe_kernels.grouped_gemm import torch_grouped_mm_supported
+def _plan(
+    backend: str, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, offsets: torch.Tensor,
+    route_map: RouteMap | None = None,
+):
+    """The BlockPlan the triton-side block runs for this backend, or None for the composed ops.
 
-    triton_ok = triton_runs_on(x)
-    torch_ok = torch_grouped_mm_supported(x, w_gate_up) and torch_grouped_mm_supported(x, w_down)
-    if not triton_ok:
-        return "torch" if torch_ok else "reference"
-    if not torch_ok:
-        return "triton"
-    key = (tuple(x.shape), tuple(w_gate_up.shape), route_map.top_k, x.dtype)
-    choice = _BLOCK_CHOICE.get(key)
-    if choice is None:
+    triton: every GEMM on our Triton kernels, with the fusions. torch, on a GPU: every GEMM on
+    torch grouped_mm between our permute, SwiGLU and combine kernels. auto, on a GPU: the
+    fastest of a GEMM-by-GEMM choice between the two, all-Triton and all-grouped_mm, timed once
+    per shape (rows bucketed to a power of two) and cached."""
+    if backend not in ("auto", "triton", "torch", "reference"):
+        raise ValueError(f"backend={backend!r} is not one of 'auto', 'triton', 'torch', 'reference'")
+    if backend == "reference" or (backend != "triton" and not triton_runs_on(x)):
+        return None
+    from moe_kernels.triton import ffn_kernels
+
+    mm_ok = torch_grouped_mm_supported(x, w_gate_up) and torch_grouped_mm_supported(x, w_down)
+    if backend == "triton" or (backend == "auto" and not mm_ok):
+        return ffn_kernels.ALL_TRITON
+    if backend == "torch":
+        return ffn_kernels.ALL_GROUPED_MM if mm_ok else None
+    top_k = route_map.top_k if route_map is not None else 1
+    # rows bucketed to a power of two: expert-parallel ranks receive a different count every step
+    rows_bucket = 1 << max(0, x.shape[0] - 1).bit_length()
+    key = (rows_bucket, tuple(w_gate_up.shape), top_k, x.dtype, route_map is not None)
+    plan = _PLANS.get(key)
+    if plan is None:
         if torch.cuda.is_current_stream_capturing():
-            return "triton"  # no timing inside a capture; warm up first to get the tuned choice
-        import triton.testing
+            return ffn_kernels.ALL_TRITON  # no timing inside a capture; warm up first to get the tuned plan
+        plan = _time_plans(x, w_gate_up, w_down, offsets, route_map)
+        _PLANS[key] = plan
+    return plan
 
-        leaves = [t.detach().clone().requires_grad_() for t in (x, weights, w_gate_up, w_down)]
-        grad = torch.randn_like(x)
-        times = {}
-        for b in ("triton", "torch"):
 
-            def step(b=b):
-                out = moe_ffn(leaves[0], route_map, leaves[1], leaves[2], leaves[3], backend=b)
-                torch.autograd.grad(out, leaves, grad)
+def _time_plans(x, w_gate_up, w_down, offsets, route_map):
+    """The GEMM-by-GEMM plan from timing each GEMM alone, checked against all-Triton and
+    all-grouped_mm by timing the whole block forward+backward: GEMMs timed alone do not always
+    add up (L2 reuse, launch gaps), so the whole block decides."""
+    import triton.testing
 
-            step()
-            times[b] = triton.testing.do_bench(step, warmup=10, rep=50, return_mode="median")
-        choice = min(times, key=times.get)
-        _BLOCK_CHOICE[key] = choice
-    return choice
+    from moe_kernels.triton import ffn_kernels
+
+    rm = route_map
+    by_gemm = ffn_kernels.tune_block_plan(
+        x.detach(), w_gate_up.detach(), w_down.detach(), offsets,
+        rm.sort_order if rm is not None else None, rm.dest_row if rm is not None else None, rm.top_k if rm is not None else 1,
+    )
+    candidates = list(dict.fromkeys([by_gemm, ffn_kernels.ALL_TRITON, ffn_kernels.ALL_GROUPED_MM]))
+    gen = torch.Generator(device=x.device).manual_seed(0)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w_gate_up, w_down)]
+    grad = torch.randn(x.shape, device=x.device, generator=gen).to(x.dtype)
+    if rm is not None:
+        weights = torch.rand(rm.num_tokens, rm.top_k, device=x.device, generator=gen).requires_grad_()
+        leaves.append(weights)
+    times = {}
+    for plan in candidates:
+
+        def step(plan=plan):
+            if rm is None:
+                out = ffn_kernels.swiglu_ffn_sorted(leaves[0], leaves[1], leaves[2], offsets, plan)
+            else:
+                out = ffn_kernels.swiglu_ffn_routed(leaves[0], leaves[3], leaves[1], leaves[2], rm.offsets, rm.sort_order, rm.dest_row, plan)
+            torch.autograd.grad(out, leaves, grad)
+
+        step()
+        times[plan] = triton.testing.do_bench(step, warmup=5, rep=40, return_mode="median")
+    return min(times, key=times.get)
+
+
+def tuned_plans() -> dict[tuple, object]:
+    """The per-shape GEMM plans `auto` has chosen so far (for benchmark reports)."""
+    return dict(_PLANS)

@@ -1,80 +1,199 @@
-"""The routed SwiGLU expert FFN with its fusions, forward and backward.
+"""The routed-expert SwiGLU FFN with its fusions, forward and backward, GEMM by GEMM.
 
-forward   pre, act = SwiGLU(gather(x) @ W1)      one kernel: gather in the A-load, SwiGLU epilogue
-          y = act @ W2                           grouped GEMM
+forward   pre, act = SwiGLU(gather(x) @ W1)      fwd1
+          y = act @ W2                           fwd2
           out[t] = sum_s w[t,s] y[dest[t,s]]     one gather-sum kernel (fp32 accumulation)
 backward  dy = w * g[token], gw = <g, y>         one kernel per token
-          d_pre = SwiGLU'(dy @ W2^T, pre)        one kernel: SwiGLU backward in the epilogue
-          dW2 = act^T dy ; dxs = d_pre @ W1^T ; dW1 = gather(x)^T d_pre
-          gx[t] = sum_s dxs[dest[t,s]]
-The routing weight is applied in the combine rather than in the second GEMM's epilogue: the
-combine reads y anyway, and backward needs the unweighted y for the router-weight gradient.
-Without routing (`dest_row is None`) the op is swiglu_experts on rows already in expert order.
+          d_pre = SwiGLU'(dy @ W2^T, pre)        dgrad2
+          dW2 = act^T dy                         wgrad2
+          dxs = d_pre @ W1^T                     dgrad1, then gx[t] = sum_s dxs[dest[t,s]]
+          dW1 = gather(x)^T d_pre                wgrad1
+A `BlockPlan` says how each GEMM runs: on our Triton kernels (fwd1 with the gather in its
+A-load and SwiGLU in its epilogue, dgrad2 with SwiGLU' in its epilogue, or plain GEMMs
+followed by one elementwise SwiGLU pass) or on torch grouped_mm (cuBLAS/CUTLASS), which
+needs the rows permuted first. The routing weight is applied in the combine rather than in
+fwd2's epilogue: the combine reads y anyway, and backward needs the unweighted y for the
+router-weight gradient. Without routing (`dest_row is None`) the rows are already in expert order.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+from typing import Literal
+
 import torch
 
 from moe_kernels.triton.grouped_gemm_kernels import grouped_gemm_launch, grouped_wgrad_launch
-from moe_kernels.triton.permute_kernels import combine_backward, gather_sum
+from moe_kernels.triton.permute_kernels import combine_backward, gather_sum, scatter_rows
+from moe_kernels.triton.swiglu_kernels import swiglu_backward, swiglu_forward
+
+GemmImpl = Literal["triton", "fused", "grouped_mm"]
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """How each GEMM of the block runs. "fused": Triton with the block's fusion (fwd1: gather +
+    SwiGLU epilogue; dgrad2: SwiGLU' epilogue); "triton": our plain Triton grouped GEMM (plus an
+    elementwise SwiGLU pass where one is due); "grouped_mm": torch grouped_mm."""
+
+    fwd1: Literal["fused", "grouped_mm"] = "fused"
+    fwd2: Literal["triton", "grouped_mm"] = "triton"
+    dgrad2: Literal["fused", "triton", "grouped_mm"] = "fused"
+    wgrad2: Literal["triton", "grouped_mm"] = "triton"
+    dgrad1: Literal["triton", "grouped_mm"] = "triton"
+    wgrad1: Literal["triton", "grouped_mm"] = "triton"
+
+    def __post_init__(self):
+        allowed = {"fwd1": ("fused", "grouped_mm"), "dgrad2": ("fused", "triton", "grouped_mm")}
+        for f in fields(self):
+            ok = allowed.get(f.name, ("triton", "grouped_mm"))
+            if getattr(self, f.name) not in ok:
+                raise ValueError(f"BlockPlan.{f.name}={getattr(self, f.name)!r} is not one of {ok}")
+
+    @property
+    def uses_grouped_mm(self) -> bool:
+        return "grouped_mm" in (self.fwd1, self.fwd2, self.dgrad2, self.wgrad2, self.dgrad1, self.wgrad1)
+
+    @property
+    def needs_sorted_rows(self) -> bool:
+        """Whether the permuted input rows are materialised (grouped_mm cannot gather)."""
+        return self.fwd1 == "grouped_mm" or self.wgrad1 == "grouped_mm"
+
+
+ALL_TRITON = BlockPlan()
+ALL_GROUPED_MM = BlockPlan("grouped_mm", "grouped_mm", "grouped_mm", "grouped_mm", "grouped_mm", "grouped_mm")
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, impl: str) -> torch.Tensor:
+    """a: [N, K] rows in expert order, b: [E, K, M] (any strides) -> [N, M]."""
+    if impl == "grouped_mm":
+        return torch._grouped_mm(a, b, offs=offsets)
+    c = torch.empty(a.shape[0], b.shape[2], dtype=a.dtype, device=a.device)
+    return grouped_gemm_launch(a, b, offsets, out_cols=b.shape[2], c=c)
+
+
+def wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, num_experts: int, impl: str, out_dtype) -> torch.Tensor:
+    """[E, K, N] = per expert a[rows]^T @ b[rows]; a: [N, K], b: [N, N'] rows in expert order."""
+    if impl == "grouped_mm":
+        return torch._grouped_mm(a.t(), b, offs=offsets).to(out_dtype)
+    return grouped_wgrad_launch(a, b, offsets, num_experts, out_dtype=out_dtype)
 
 
 class SwigluFFNFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weights, w1, w2, offsets, sort_order, dest_row, top_k):
+    def forward(ctx, x, weights, w1, w2, offsets, sort_order, dest_row, top_k, plan):
         """x: [T, d] (routed) or [N, d] (sorted rows); w1: [E, d, 2h]; w2: [E, h, d]."""
         x = x.contiguous()
         routed = dest_row is not None
         n_rows = sort_order.shape[0] if routed else x.shape[0]
         h = w2.shape[1]
-        pre = torch.empty(n_rows, 2 * h, dtype=x.dtype, device=x.device)
-        act = torch.empty(n_rows, h, dtype=x.dtype, device=x.device)
-        grouped_gemm_launch(
-            x, w1, offsets, out_cols=h, c=act, gather=sort_order if routed else None, top_k=top_k,
-            epilogue=1, aux=pre, swiglu_h=h,
-        )
-        y = torch.empty(n_rows, w2.shape[2], dtype=x.dtype, device=x.device)
-        grouped_gemm_launch(act, w2, offsets, out_cols=w2.shape[2], c=y)
-        ctx.routed = routed
-        ctx.top_k = top_k
-        ctx.save_for_backward(x, weights, w1, w2, offsets, sort_order, dest_row, pre, act, y)
+        xs = scatter_rows(x, dest_row, top_k) if routed and plan.needs_sorted_rows else (None if routed else x)
+        if plan.fwd1 == "fused":
+            pre = torch.empty(n_rows, 2 * h, dtype=x.dtype, device=x.device)
+            act = torch.empty(n_rows, h, dtype=x.dtype, device=x.device)
+            grouped_gemm_launch(
+                x, w1, offsets, out_cols=h, c=act, gather=sort_order if routed else None, top_k=top_k,
+                epilogue=1, aux=pre, swiglu_h=h,
+            )
+        else:
+            pre = gemm(xs, w1, offsets, "grouped_mm")
+            act = swiglu_forward(pre)
+        y = gemm(act, w2, offsets, plan.fwd2)
+        ctx.routed, ctx.top_k, ctx.plan = routed, top_k, plan
+        ctx.save_for_backward(x, xs, weights, w1, w2, offsets, sort_order, dest_row, pre, act, y)
         if routed:
             return gather_sum(y, dest_row, top_k, weights)
         return y
 
     @staticmethod
     def backward(ctx, g):
-        x, weights, w1, w2, offsets, sort_order, dest_row, pre, act, y = ctx.saved_tensors
+        x, xs, weights, w1, w2, offsets, sort_order, dest_row, pre, act, y = ctx.saved_tensors
         g = g.contiguous()
-        routed, k = ctx.routed, ctx.top_k
+        routed, k, plan = ctx.routed, ctx.top_k, ctx.plan
         gw = None
         if routed:
             dy, gw = combine_backward(g, y, dest_row, weights)
         else:
             dy = g
         h = w2.shape[1]
-        d_pre = torch.empty_like(pre)
-        grouped_gemm_launch(dy, w2.transpose(1, 2), offsets, out_cols=h, c=d_pre, epilogue=2, aux=pre, swiglu_h=h)
-        gw2 = grouped_wgrad_launch(act, dy, offsets, w2.shape[0], out_dtype=w2.dtype) if ctx.needs_input_grad[3] else None
+        if plan.dgrad2 == "fused":
+            d_pre = torch.empty_like(pre)
+            grouped_gemm_launch(dy, w2.transpose(1, 2), offsets, out_cols=h, c=d_pre, epilogue=2, aux=pre, swiglu_h=h)
+        else:
+            d_pre = swiglu_backward(gemm(dy, w2.transpose(1, 2), offsets, plan.dgrad2), pre)
+        gw2 = wgrad(act, dy, offsets, w2.shape[0], plan.wgrad2, w2.dtype) if ctx.needs_input_grad[3] else None
         gx = None
         if ctx.needs_input_grad[0]:
-            dxs = torch.empty(d_pre.shape[0], w1.shape[1], dtype=x.dtype, device=x.device)
-            grouped_gemm_launch(d_pre, w1.transpose(1, 2), offsets, out_cols=w1.shape[1], c=dxs)
+            dxs = gemm(d_pre, w1.transpose(1, 2), offsets, plan.dgrad1)
             gx = gather_sum(dxs, dest_row, k) if routed else dxs
         gw1 = None
         if ctx.needs_input_grad[2]:
-            gw1 = grouped_wgrad_launch(
-                x, d_pre, offsets, w1.shape[0], gather=sort_order if routed else None, top_k=k, out_dtype=w1.dtype
-            )
-        return gx, gw, gw1, gw2, None, None, None, None
+            if xs is not None:
+                gw1 = wgrad(xs, d_pre, offsets, w1.shape[0], plan.wgrad1, w1.dtype)
+            else:  # the gather fused into the A-load
+                gw1 = grouped_wgrad_launch(x, d_pre, offsets, w1.shape[0], gather=sort_order, top_k=k, out_dtype=w1.dtype)
+        return gx, gw, gw1, gw2, None, None, None, None, None
 
 
-def swiglu_ffn_sorted(x_sorted, w_gate_up, w_down, offsets):
+def swiglu_ffn_sorted(x_sorted, w_gate_up, w_down, offsets, plan: BlockPlan = ALL_TRITON):
     """x_sorted: [N, d] in expert order -> [N, d]."""
-    return SwigluFFNFn.apply(x_sorted, None, w_gate_up, w_down, offsets, None, None, 1)
+    return SwigluFFNFn.apply(x_sorted, None, w_gate_up, w_down, offsets, None, None, 1, plan)
 
 
-def swiglu_ffn_routed(x, weights, w_gate_up, w_down, offsets, sort_order, dest_row):
+def swiglu_ffn_routed(x, weights, w_gate_up, w_down, offsets, sort_order, dest_row, plan: BlockPlan = ALL_TRITON):
     """x: [T, d], weights: [T, k] -> [T, d]: gather, expert SwiGLU FFN and weighted combine."""
-    return SwigluFFNFn.apply(x, weights, w_gate_up, w_down, offsets, sort_order, dest_row, weights.shape[1])
+    return SwigluFFNFn.apply(x, weights, w_gate_up, w_down, offsets, sort_order, dest_row, weights.shape[1], plan)
+
+
+def tune_block_plan(x, w1, w2, offsets, sort_order, dest_row, top_k) -> BlockPlan:
+    """Time every GEMM of the block both ways on these inputs (our Triton kernels, each already
+    tuned, against torch grouped_mm with the elementwise passes and the row permutation it
+    needs) and return the fastest plan. fwd1 and wgrad1 are chosen together: grouped_mm in
+    either needs the permuted rows materialised, which the fused gather avoids."""
+    import triton.testing
+
+    def bench(fn):
+        return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
+
+    routed = dest_row is not None
+    n, h, d = (sort_order.shape[0] if routed else x.shape[0]), w2.shape[1], x.shape[1]
+    gen = torch.Generator(device=x.device).manual_seed(0)
+    xs = scatter_rows(x, dest_row, top_k) if routed else x
+    pre = torch.randn(n, 2 * h, device=x.device, generator=gen).to(x.dtype)
+    act = swiglu_forward(pre)
+    dy = torch.randn(n, d, device=x.device, generator=gen).to(x.dtype)
+    d_pre = torch.randn(n, 2 * h, device=x.device, generator=gen).to(x.dtype)
+    w1t, w2t = w1.transpose(1, 2), w2.transpose(1, 2)
+    E = w1.shape[0]
+
+    def fwd1_fused():
+        grouped_gemm_launch(x, w1, offsets, out_cols=h, c=torch.empty_like(act), gather=sort_order if routed else None,
+                            top_k=top_k, epilogue=1, aux=torch.empty_like(pre), swiglu_h=h)
+
+    def dgrad2_fused():
+        grouped_gemm_launch(dy, w2t, offsets, out_cols=h, c=torch.empty_like(pre), epilogue=2, aux=pre, swiglu_h=h)
+
+    t_scatter = bench(lambda: scatter_rows(x, dest_row, top_k)) if routed else 0.0
+    t_fwd1 = {"fused": bench(fwd1_fused), "grouped_mm": bench(lambda: swiglu_forward(gemm(xs, w1, offsets, "grouped_mm")))}
+    t_w1 = {impl: bench(lambda impl=impl: wgrad(xs, d_pre, offsets, E, impl, w1.dtype)) for impl in ("triton", "grouped_mm")}
+    if routed:
+        t_w1_gather = bench(lambda: grouped_wgrad_launch(x, d_pre, offsets, E, gather=sort_order, top_k=top_k, out_dtype=w1.dtype))
+    else:
+        t_w1_gather = t_w1["triton"]
+    combos = {
+        ("fused", "triton"): t_fwd1["fused"] + t_w1_gather,
+        ("fused", "grouped_mm"): t_fwd1["fused"] + t_scatter + t_w1["grouped_mm"],
+        ("grouped_mm", "triton"): t_scatter + t_fwd1["grouped_mm"] + t_w1["triton"],
+        ("grouped_mm", "grouped_mm"): t_scatter + t_fwd1["grouped_mm"] + t_w1["grouped_mm"],
+    }
+    fwd1, wgrad1 = min(combos, key=combos.get)
+    both = ("triton", "grouped_mm")
+    t_fwd2 = {impl: bench(lambda impl=impl: gemm(act, w2, offsets, impl)) for impl in both}
+    t_dgrad1 = {impl: bench(lambda impl=impl: gemm(d_pre, w1t, offsets, impl)) for impl in both}
+    t_wgrad2 = {impl: bench(lambda impl=impl: wgrad(act, dy, offsets, E, impl, w2.dtype)) for impl in both}
+    t_dgrad2 = {impl: bench(lambda impl=impl: swiglu_backward(gemm(dy, w2t, offsets, impl), pre)) for impl in both}
+    t_dgrad2["fused"] = bench(dgrad2_fused)
+    return BlockPlan(
+        fwd1=fwd1, fwd2=min(t_fwd2, key=t_fwd2.get), dgrad2=min(t_dgrad2, key=t_dgrad2.get),
+        wgrad2=min(t_wgrad2, key=t_wgrad2.get), dgrad1=min(t_dgrad1, key=t_dgrad1.get), wgrad1=wgrad1,
+    )

@@ -23,37 +23,70 @@ from moe_kernels.triton.tuning import pick_config
 
 
 @triton.jit
-def _grouped_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, aux_ptr, offsets_ptr, gather_ptr,
-    E, K, N, H,
-    stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn, stride_xm, stride_xn,
-    TOPK: tl.constexpr, E_P2: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr,
-    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
+def _expert_tiles(offsets_ptr, E, E_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Per-expert row starts/ends, M-tile counts and their cumulative sum, from the device offsets."""
     experts = tl.arange(0, E_P2)
     emask = experts < E
     ends = tl.load(offsets_ptr + experts, mask=emask, other=0)
     starts = tl.load(offsets_ptr + experts - 1, mask=emask & (experts > 0), other=0)
     tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
-    cum = tl.cumsum(tiles, axis=0)
+    return experts, starts, ends, tiles, tl.cumsum(tiles, axis=0)
+
+
+@triton.jit
+def _locate_tile(mt, experts, starts, ends, tiles, cum, BLOCK_M: tl.constexpr):
+    """The expert owning global M-tile `mt`, the tile's first row and that expert's row end."""
+    e = tl.sum((cum <= mt).to(tl.int32), axis=0)
+    sel = experts == e
+    e_end = tl.sum(tl.where(sel, ends, 0), axis=0)
+    row0 = tl.sum(tl.where(sel, starts + (mt - cum + tiles) * BLOCK_M, 0), axis=0)
+    return e, row0, e_end
+
+
+@triton.jit
+def _load_b_tile(b_ptrs, b_desc, e, k0, n0, kmask, nmask,
+                 EVEN_K: tl.constexpr, B_TMA: tl.constexpr, B_NK: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """B[e][k0:k0+BK, n0:n0+BN]; through the tensor-memory accelerator when B_TMA (zero-filled
+    out of bounds; B_NK: the descriptor is over the [E, N, K] storage of a transposed B)."""
+    if B_TMA:
+        if B_NK:
+            b = tl.trans(b_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K))
+        else:
+            b = b_desc.load([e, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+    elif EVEN_K:
+        b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
+    else:
+        b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+    return b
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr, a_desc, b_ptr, b_desc, c_ptr, aux_ptr, offsets_ptr, gather_ptr,
+    E, K, N, H,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn, stride_xm, stride_xn,
+    TOPK: tl.constexpr, E_P2: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_NK: tl.constexpr, FLATTEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    experts, starts, ends, tiles, cum = _expert_tiles(offsets_ptr, E, E_P2, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     total = tl.sum(tiles, axis=0) * num_n
     out_ty = c_ptr.dtype.element_ty
-    for tile in range(tl.program_id(0), total, tl.num_programs(0)):
+    for tile in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN):
         mt = tile // num_n
         nt = tile % num_n
-        e = tl.sum((cum <= mt).to(tl.int32), axis=0)
-        sel = experts == e
-        e_end = tl.sum(tl.where(sel, ends, 0), axis=0)
-        row0 = tl.sum(tl.where(sel, starts + (mt - cum + tiles) * BLOCK_M, 0), axis=0)
+        e, row0, e_end = _locate_tile(mt, experts, starts, ends, tiles, cum, BLOCK_M)
         rm = row0 + tl.arange(0, BLOCK_M)
         mmask = rm < e_end
         if GATHER_A:
             src = tl.load(gather_ptr + rm, mask=mmask, other=0) // TOPK
         else:
             src = rm.to(tl.int64)
-        rn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+        n0 = nt * BLOCK_N
+        rn = n0 + tl.arange(0, BLOCK_N)
         nmask = rn < N
         rk = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + src[:, None] * stride_am + rk[None, :] * stride_ak
@@ -62,22 +95,23 @@ def _grouped_gemm_kernel(
         if EPILOGUE == 1:
             acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
+            kmask = (k0 + rk) < K
+            if A_TMA:
+                # rows past this expert's end belong to the next expert (or are zero-filled): their
+                # products land only in rows the masked store below skips
+                a = a_desc.load([row0, k0])
+            elif EVEN_K:
                 a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
-                b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
             else:
-                kmask = (k0 + rk) < K
                 a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            b = _load_b_tile(b_ptrs, b_desc, e, k0, n0, kmask, nmask, EVEN_K, B_TMA, B_NK, BLOCK_K, BLOCK_N)
             if UPCAST:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
             if EPILOGUE == 1:
-                if EVEN_K:
-                    b2 = tl.load(b_ptrs + H * stride_bn, mask=nmask[None, :], other=0.0)
-                else:
-                    b2 = tl.load(b_ptrs + H * stride_bn, mask=kmask[:, None] & nmask[None, :], other=0.0)
+                b2 = _load_b_tile(b_ptrs + H * stride_bn, b_desc, e, k0, n0 + H, kmask, nmask,
+                                  EVEN_K, B_TMA, B_NK, BLOCK_K, BLOCK_N)
                 if UPCAST:
                     b2 = b2.to(tl.float32)
                 acc2 = tl.dot(a, b2, acc2, input_precision=PRECISION)
@@ -112,9 +146,10 @@ def _grouped_gemm_kernel(
 
 @triton.jit
 def _grouped_wgrad_kernel(
-    a_ptr, b_ptr, c_ptr, offsets_ptr, gather_ptr, K, N,
+    a_ptr, a_desc, b_ptr, b_desc, c_ptr, offsets_ptr, gather_ptr, K, N,
     stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
     TOPK: tl.constexpr, GATHER_A: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    A_TMA: tl.constexpr, B_TMA: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -126,13 +161,33 @@ def _grouped_wgrad_kernel(
     nt = rest % num_n
     end = tl.load(offsets_ptr + e)
     start = tl.load(offsets_ptr + e - 1, mask=e > 0, other=0)
+    full_end = start + (end - start) // BLOCK_R * BLOCK_R
     rk = kt * BLOCK_K + tl.arange(0, BLOCK_K)
     rn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     kmask = rk < K
     nmask = rn < N
     acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
-    for r0 in range(start, end, BLOCK_R):
+    # whole BLOCK_R chunks of this expert's rows (no row mask), then at most one partial chunk
+    for r0 in range(start, full_end, BLOCK_R):
         rr = r0 + tl.arange(0, BLOCK_R)
+        if A_TMA:
+            a = a_desc.load([r0, kt * BLOCK_K])
+        else:
+            if GATHER_A:
+                src = tl.load(gather_ptr + rr) // TOPK
+            else:
+                src = rr.to(tl.int64)
+            a = tl.load(a_ptr + src[:, None] * stride_am + rk[None, :] * stride_ak, mask=kmask[None, :], other=0.0)
+        if B_TMA:
+            b = b_desc.load([r0, nt * BLOCK_N])
+        else:
+            b = tl.load(b_ptr + rr.to(tl.int64)[:, None] * stride_bm + rn[None, :] * stride_bn, mask=nmask[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+    if full_end < end:
+        rr = full_end + tl.arange(0, BLOCK_R)
         rmask = rr < end
         if GATHER_A:
             src = tl.load(gather_ptr + rr, mask=rmask, other=0) // TOPK
@@ -149,29 +204,32 @@ def _grouped_wgrad_kernel(
 
 
 # Block shapes tried per (kernel, shape, dtype); the first is the default when tuning is off
-# (CPU interpreter, or a first call made during CUDA-graph capture).
+# (CPU interpreter, or a first call made during CUDA-graph capture). `tma`: operands that allow
+# it (bf16/fp16 on a GPU with TMA, 16-byte aligned rows, not gathered) are read through tensor
+# descriptors; the tuner keeps whichever variant is faster.
 _GEMM_CONFIGS_BF16 = [
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
-    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, tma=True),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, tma=True),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, tma=False),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, tma=True),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, tma=True),
 ]
 _SWIGLU_CONFIGS_BF16 = [
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
-    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=4),
-    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, tma=True),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, tma=True),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3, tma=True),
 ]
 _WGRAD_CONFIGS_BF16 = [
-    dict(BLOCK_K=128, BLOCK_N=128, BLOCK_R=64, num_warps=8, num_stages=3),
-    dict(BLOCK_K=128, BLOCK_N=256, BLOCK_R=64, num_warps=8, num_stages=3),
-    dict(BLOCK_K=64, BLOCK_N=128, BLOCK_R=64, num_warps=4, num_stages=4),
-    dict(BLOCK_K=128, BLOCK_N=128, BLOCK_R=64, num_warps=8, num_stages=4),
-    dict(BLOCK_K=256, BLOCK_N=128, BLOCK_R=64, num_warps=8, num_stages=3),
+    dict(BLOCK_K=128, BLOCK_N=256, BLOCK_R=64, num_warps=8, num_stages=3, tma=True),
+    dict(BLOCK_K=128, BLOCK_N=128, BLOCK_R=64, num_warps=8, num_stages=4, tma=True),
+    dict(BLOCK_K=128, BLOCK_N=128, BLOCK_R=64, num_warps=8, num_stages=3, tma=True),
+    dict(BLOCK_K=256, BLOCK_N=128, BLOCK_R=64, num_warps=8, num_stages=3, tma=True),
+    dict(BLOCK_K=64, BLOCK_N=128, BLOCK_R=64, num_warps=4, num_stages=4, tma=True),
 ]
-_GEMM_CONFIG_FP32 = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)]
-_WGRAD_CONFIG_FP32 = [dict(BLOCK_K=64, BLOCK_N=64, BLOCK_R=32, num_warps=4, num_stages=2)]
-_CPU_GEMM = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)]
-_CPU_WGRAD = [dict(BLOCK_K=64, BLOCK_N=64, BLOCK_R=64)]
+_GEMM_CONFIG_FP32 = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2, tma=False)]
+_WGRAD_CONFIG_FP32 = [dict(BLOCK_K=64, BLOCK_N=64, BLOCK_R=32, num_warps=4, num_stages=2, tma=False)]
+_CPU_GEMM = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, tma=False)]
+_CPU_WGRAD = [dict(BLOCK_K=64, BLOCK_N=64, BLOCK_R=64, tma=False)]
 
 
 def _num_sms(device: torch.device) -> int:
@@ -184,12 +242,37 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _tma_capable(t: torch.Tensor) -> bool:
+    """Whether tensor descriptors can be built for `t` at all (16-bit data on a GPU with TMA)."""
+    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(t.device) >= (9, 0)
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    """A host tensor descriptor over `t` (last dim contiguous, 16-byte aligned base and strides), or None."""
+    size = t.element_size()
+    if t.stride(-1) != 1 or t.data_ptr() % 16 or any((s * size) % 16 for s in t.stride()[:-1]) or t.numel() == 0:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+
+def _b_descriptor(b: torch.Tensor, bk: int, bn: int):
+    """(descriptor, b_nk) for B = b[e] of shape [K, N]: over b itself, or over its [E, N, K] storage."""
+    if b.stride(2) == 1:
+        return _descriptor(b, [1, bk, bn]), False
+    if b.stride(1) == 1:
+        return _descriptor(b.transpose(1, 2), [1, bn, bk]), True
+    return None, False
+
+
 def grouped_gemm_launch(
     a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, out_cols: int, c: torch.Tensor,
     gather: torch.Tensor | None = None, top_k: int = 1, epilogue: int = 0, aux: torch.Tensor | None = None,
-    swiglu_h: int = 0,
+    swiglu_h: int = 0, config: dict | None = None,
 ) -> torch.Tensor:
-    """C[r, :out_cols] = epilogue(A[src(r)] @ B[e(r)]); a: [*, K], b: [E, K, *] (any strides), c written in place."""
+    """C[r, :out_cols] = epilogue(A[src(r)] @ B[e(r)]); a: [*, K], b: [E, K, *] (any strides), c written in place.
+    config: a block shape to run instead of the tuned one (tests and benchmarks)."""
     E, K = b.shape[0], b.shape[1]
     n_rows = c.shape[0]
     if n_rows == 0 or out_cols == 0:
@@ -203,6 +286,7 @@ def grouped_gemm_launch(
         configs = _GEMM_CONFIG_FP32
     else:
         configs = _SWIGLU_CONFIGS_BF16 if epilogue else _GEMM_CONFIGS_BF16
+    tma_ok = _tma_capable(a)
     aux = aux if aux is not None else c
     gather_t = gather if gather is not None else offsets
     # one compiled kernel serves every E up to 256 (the lookup vector costs nothing per tile)
@@ -211,18 +295,27 @@ def grouped_gemm_launch(
 
     def launch(cfg):
         cfg = dict(cfg)
-        bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
+        bm, bn, bk, tma = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("tma") and tma_ok
+        a_desc = _descriptor(a, [bm, bk]) if tma and gather is None else None
+        # the SwiGLU epilogue reads B's up half at column H: a tensor-descriptor box must start
+        # 16-byte aligned there (an unaligned H faulted on the H200)
+        b_tma = tma and (epilogue != 1 or (swiglu_h * b.element_size()) % 16 == 0)
+        b_desc, b_nk = _b_descriptor(b, bk, bn) if b_tma else (None, False)
         upper = (triton.cdiv(n_rows, bm) + E) * triton.cdiv(out_cols, bn)
         grid = (max(1, min(sms, upper)),)
         _grouped_gemm_kernel[grid](
-            a, b, c, aux, offsets, gather_t, E, K, out_cols, swiglu_h,
+            a, a_desc, b, b_desc, c, aux, offsets, gather_t, E, K, out_cols, swiglu_h,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
             c.stride(0), c.stride(1), aux.stride(0), aux.stride(1),
             TOPK=top_k, E_P2=e_p2, GATHER_A=gather is not None, EPILOGUE=epilogue,
             EVEN_K=K % bk == 0, UPCAST=cpu, PRECISION=_precision(a.dtype),
+            A_TMA=a_desc is not None, B_TMA=b_desc is not None, B_NK=b_nk, FLATTEN=False,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **cfg,
         )
 
+    if config is not None:
+        launch(config)
+        return c
     key = ("gemm", epilogue, gather is not None, n_rows, K, out_cols, E, b.stride(1) == 1, a.dtype)
     pick_config(key, configs, launch)
     return c
@@ -231,8 +324,10 @@ def grouped_gemm_launch(
 def grouped_wgrad_launch(
     a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, num_experts: int, *,
     gather: torch.Tensor | None = None, top_k: int = 1, out_dtype: torch.dtype | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
-    """dW[e] = A[rows of e]^T @ B[rows of e]: a: [*, K] (rows gathered via gather//top_k), b: [N_rows, N] -> [E, K, N]."""
+    """dW[e] = A[rows of e]^T @ B[rows of e]: a: [*, K] (rows gathered via gather//top_k), b: [N_rows, N] -> [E, K, N].
+    config: a block shape to run instead of the tuned one (tests and benchmarks)."""
     K, N = a.shape[1], b.shape[1]
     out = torch.empty(num_experts, K, N, dtype=out_dtype or a.dtype, device=a.device)
     if K == 0 or N == 0 or num_experts == 0:
@@ -244,19 +339,26 @@ def grouped_wgrad_launch(
         configs = _WGRAD_CONFIG_FP32
     else:
         configs = _WGRAD_CONFIGS_BF16
+    tma_ok = _tma_capable(a)
     gather_t = gather if gather is not None else offsets
 
     def launch(cfg):
         cfg = dict(cfg)
-        bk, bn, br = cfg.pop("BLOCK_K"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_R")
+        bk, bn, br, tma = cfg.pop("BLOCK_K"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_R"), cfg.pop("tma") and tma_ok
+        a_desc = _descriptor(a, [br, bk]) if tma and gather is None else None
+        b_desc = _descriptor(b, [br, bn]) if tma else None
         grid = (num_experts * triton.cdiv(K, bk) * triton.cdiv(N, bn),)
         _grouped_wgrad_kernel[grid](
-            a, b, out, offsets, gather_t, K, N,
+            a, a_desc, b, b_desc, out, offsets, gather_t, K, N,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
             TOPK=top_k, GATHER_A=gather is not None, UPCAST=cpu, PRECISION=_precision(a.dtype),
+            A_TMA=a_desc is not None, B_TMA=b_desc is not None,
             BLOCK_K=bk, BLOCK_N=bn, BLOCK_R=br, **cfg,
         )
 
+    if config is not None:
+        launch(config)
+        return out
     key = ("wgrad", gather is not None, b.shape[0], K, N, num_experts, a.dtype)
     pick_config(key, configs, launch)
     return out
