@@ -86,7 +86,10 @@ def dense(xd, w1d, w2d, gyd):
     return torch.autograd.grad(out, (xd, w1d, w2d), gyd)
 
 
-def time_ms(fn, warmup, iters):
+def time_ms(fn, warmup, iters, calls=1):
+    """Median ms per call over `iters` CUDA-event-timed samples of `calls` back-to-back calls
+    (calls=1: each sample starts from an idle GPU, so the host's launch latency is in it; more
+    calls let the host run ahead, as it does across a model's layers)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -94,15 +97,16 @@ def time_ms(fn, warmup, iters):
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(calls):
+            fn()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / calls)
     times.sort()
     return times[len(times) // 2], times
 
 
-def bench_shape(name, E, iters, methods, seed=0):
+def bench_shape(name, E, iters, methods, back_to_back=4, seed=0):
     s = SHAPES[name]
     T, d, h, k = s["T"], s["d"], s["h"], s["k"]
     flops = 18 * T * k * d * h
@@ -120,12 +124,17 @@ def bench_shape(name, E, iters, methods, seed=0):
             w1d = (torch.randn(d, 2 * h, device="cuda", generator=g) / d**0.5).bfloat16().requires_grad_()
             w2d = (torch.randn(h, d, device="cuda", generator=g) / h**0.5).bfloat16().requires_grad_()
             gyd = torch.randn(T * k, d, device="cuda", generator=g).bfloat16()
-            med, times = time_ms(lambda: dense(xd, w1d, w2d, gyd), 3, iters)
+            fn = lambda: dense(xd, w1d, w2d, gyd)  # noqa: E731
+            med, times = time_ms(fn, 3, iters)
+            med_b2b, _ = time_ms(fn, 0, iters, calls=back_to_back)
             del xd, w1d, w2d, gyd
         else:
             n = max(3, iters // 4) if m == "per_expert_loop" and E >= 32 else iters
             med, times = time_ms(fns[m], 2 if m == "per_expert_loop" else 3, n)
-        row[m] = dict(ms=med, tflops=flops / med / 1e9, times_ms=times)
+            # the per-expert loop reads counts on the host every call: back-to-back changes nothing for it
+            med_b2b = med if m == "per_expert_loop" else time_ms(fns[m], 0, n, calls=back_to_back)[0]
+        row[m] = dict(ms=med, tflops=flops / med / 1e9, times_ms=times, ms_back_to_back=med_b2b,
+                      tflops_back_to_back=flops / med_b2b / 1e9)
         torch.cuda.empty_cache()
     # correctness of ours against the torch grouped_mm block on the same inputs
     if "ours" in methods and "torch_grouped_mm" in methods:
@@ -171,6 +180,7 @@ def main():
     p.add_argument("--experts", default="8,32,128")
     p.add_argument("--methods", default="ours,ours_triton,ours_torch_gemm,torch_grouped_mm,per_expert_loop,dense")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--back-to-back", type=int, default=4, help="calls per timed sample for the back-to-back columns")
     p.add_argument("--out", default=None)
     p.add_argument("--commit", default=None, help="commit to record when the tree has no .git (device copies)")
     p.add_argument("--profile", action="store_true", help="print per-kernel CUDA time of one iteration of ours (first shape, first E)")
@@ -182,7 +192,7 @@ def main():
     t0 = time.time()
     for name in args.shapes.split(","):
         for E in map(int, args.experts.split(",")):
-            row = bench_shape(name, E, args.iters, methods)
+            row = bench_shape(name, E, args.iters, methods, args.back_to_back)
             rows.append(row)
             print(f"[{time.time() - t0:6.1f}s] shape {name} E={E}: "
                   + "  ".join(f"{m} {row[m]['tflops']:.0f}" for m in methods), flush=True)
@@ -196,15 +206,17 @@ def main():
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
-    print("\nTFLOP/s, fwd+bwd MoE FFN block, one GPU")
-    print(f"{'shape':>5} {'E':>4} " + " ".join(f"{m:>16}" for m in methods) + "  ours/dense ours/torch")
+    for col, title in (("tflops", "one call per sample"), ("tflops_back_to_back", f"{args.back_to_back} calls back to back per sample")):
+        print(f"\nTFLOP/s, fwd+bwd MoE FFN block, one GPU, {title}")
+        print(f"{'shape':>5} {'E':>4} " + " ".join(f"{m:>16}" for m in methods) + "  ours/dense ours/torch")
+        for r in rows:
+            extra = ""
+            if "ours" in r and "dense" in r and "torch_grouped_mm" in r:
+                extra = f"  {r['ours'][col] / r['dense'][col]:10.2f} {r['ours'][col] / r['torch_grouped_mm'][col]:10.2f}"
+            print(f"{r['shape']:>5} {r['E']:>4} " + " ".join(f"{r[m][col]:16.1f}" for m in methods) + extra)
     for r in rows:
-        extra = ""
-        if "ours" in r and "dense" in r and "torch_grouped_mm" in r:
-            extra = f"  {r['ours']['tflops'] / r['dense']['tflops']:10.2f} {r['ours']['tflops'] / r['torch_grouped_mm']['tflops']:10.2f}"
-        print(f"{r['shape']:>5} {r['E']:>4} " + " ".join(f"{r[m]['tflops']:16.1f}" for m in methods) + extra
-              + "  plan=" + (",".join(f"{k}:{v}" for k, v in r["ours_plan"].items()) if isinstance(r.get("ours_plan"), dict) else ""))
-
+        if isinstance(r.get("ours_plan"), dict):
+            print(f"plan {r['shape']} E={r['E']}: " + ", ".join(f"{k}={v}" for k, v in r["ours_plan"].items()))
 
 if __name__ == "__main__":
     main()
