@@ -2,8 +2,9 @@
 
 Each rank updates only the shard of every bucket it owns (after the gradient reduce-scatter),
 then all-gathers the updated shard into the model's flat parameter buffer, so every replica
-leaves the step with identical weights in the model's dtype (bf16 or fp32). The update is the
-same arithmetic as torch.optim.AdamW's single-tensor path (decoupled decay on matrices only).
+leaves the step with identical weights in the model's dtype (bf16 or fp32). The update is
+torch's fused AdamW kernel (`torch._fused_adamw_`, CUDA and CPU) on views of each fp32 shard:
+one pass over master, moments and gradient, no temporaries; decoupled decay on matrices only.
 
 Global-norm clipping: every rank adds the squared norm of the gradient shards it uniquely owns
 (dense and expert groups alike) and one all-reduce over the world gives the global norm. A
@@ -32,12 +33,14 @@ class AdamWConfig:
 
 @dataclass
 class _ShardState:
-    """fp32 state of one bucket shard: [shard_numel] each; decay: (lo, hi) ranges that get weight decay."""
+    """fp32 state of one bucket shard: [shard_numel] each; decay / no_decay: (lo, hi) ranges that
+    partition the shard into elements with and without weight decay."""
 
     master: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     decay: list[tuple[int, int]]
+    no_decay: list[tuple[int, int]]
 
 
 @dataclass
@@ -66,7 +69,15 @@ class DistributedAdamW:
             a, b = max(lo, slot.start), min(hi, slot.start + slot.numel)
             if a < b and slot.param.dim() >= 2:  # as param_groups(): decay matrices, never vectors
                 decay.append((a - lo, b - lo))
-        return _ShardState(master, torch.zeros_like(master), torch.zeros_like(master), decay)
+        decay.sort()
+        no_decay, at = [], 0
+        for a, b in decay:
+            if at < a:
+                no_decay.append((at, a))
+            at = b
+        if at < hi - lo:
+            no_decay.append((at, hi - lo))
+        return _ShardState(master, torch.zeros_like(master), torch.zeros_like(master), decay, no_decay)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank: fp32 master + both moments (12 B per owned element)."""
@@ -100,20 +111,24 @@ class DistributedAdamW:
             self.skipped_steps += 1
             return OptimizerStepResult(norm_value, True)
         clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
+        coef = min(clip / (norm_value + 1e-6), 1.0)  # as torch.nn.utils.clip_grad_norm_
         self.step_count += 1
         beta1, beta2 = cfg.betas
-        bias1 = 1 - beta1**self.step_count
-        bias2_sqrt = math.sqrt(1 - beta2**self.step_count)
+        device = self.flats[0].param_buffer.device
+        step = torch.full((), float(self.step_count), dtype=torch.float32, device=device)
         for flat, states in zip(self.flats, self.states):
             for bucket, st in zip(flat.buckets, states):
-                g = bucket.grad_shard.float().mul_(coef)
-                for a, b in st.decay:
-                    st.master[a:b].mul_(1 - lr * cfg.weight_decay)
-                st.exp_avg.lerp_(g, 1 - beta1)
-                st.exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                denom = (st.exp_avg_sq.sqrt() / bias2_sqrt).add_(cfg.eps)
-                st.master.addcdiv_(st.exp_avg, denom, value=-lr / bias1)
+                g = bucket.grad_shard
+                g = g.float() if g.dtype != torch.float32 else g  # an fp32 shard is scaled in place (zeroed after the step)
+                if coef < 1.0:
+                    g.mul_(coef)
+                for ranges, decay in ((st.decay, cfg.weight_decay), (st.no_decay, 0.0)):
+                    if ranges:
+                        views = [[t[a:b] for a, b in ranges] for t in (st.master, g, st.exp_avg, st.exp_avg_sq)]
+                        torch._fused_adamw_(
+                            *views, [], [step] * len(ranges), lr=lr, beta1=beta1, beta2=beta2, weight_decay=decay,
+                            eps=cfg.eps, amsgrad=False, maximize=False,
+                        )
             self._refresh(flat, states)
         return OptimizerStepResult(norm_value, False)
 
