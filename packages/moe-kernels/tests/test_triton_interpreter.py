@@ -135,6 +135,46 @@ def _check_block_plans(torch, moe):
         torch.testing.assert_close(out, ref_sorted, rtol=1e-4, atol=1e-4)
 
 
+def _check_plan_search(torch, moe):
+    """auto's plan search (each GEMM timed both ways, then whole blocks) runs every path here with
+    a stand-in clock; running out of memory while timing falls back to the all-Triton plan."""
+    import itertools
+    import warnings
+
+    import triton.testing
+
+    from moe_kernels import expert_ffn
+    from moe_kernels.triton.ffn_kernels import ALL_TRITON, BlockPlan
+
+    clock = itertools.count(1)
+
+    def stand_in_clock(fn, **_):
+        fn()
+        return float(next(clock) * 7 % 11)
+
+    def out_of_memory(fn, **_):
+        raise torch.cuda.OutOfMemoryError("stand-in")
+
+    T, d, h, E, k = 21, 16, 24, 5, 2
+    g = torch.Generator().manual_seed(9)
+    ids = torch.rand(T, E, generator=g).topk(k, dim=1).indices
+    rm = moe.build_route_map(ids, E, backend="reference")
+    x = torch.randn(T, d, generator=g)
+    w1, w2 = torch.randn(E, d, 2 * h, generator=g), torch.randn(E, h, d, generator=g)
+    saved = triton.testing.do_bench
+    try:
+        triton.testing.do_bench = stand_in_clock
+        assert isinstance(expert_ffn._time_plans(x, w1, w2, rm.offsets, rm), BlockPlan)
+        assert isinstance(expert_ffn._time_plans(x[rm.source_token], w1, w2, rm.offsets, None), BlockPlan)
+        triton.testing.do_bench = out_of_memory
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert expert_ffn._time_plans(x, w1, w2, rm.offsets, rm) is ALL_TRITON
+        assert any("out of memory" in str(w.message) for w in caught)
+    finally:
+        triton.testing.do_bench = saved
+
+
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton or numpy (its interpreter needs it) is not installed")
 def test_triton_kernels_match_reference_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -152,5 +192,6 @@ if __name__ == "__main__":
     _check_route_map(torch, moe)
     _check_block(torch, moe)
     _check_block_plans(torch, moe)
+    _check_plan_search(torch, moe)
     _check_tensor_descriptor_paths(torch)  # last: it replaces the CPU block shapes
     print("ok")

@@ -10,6 +10,8 @@ unfused ops.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -122,7 +124,23 @@ def _plan(
 def _time_plans(x, w_gate_up, w_down, offsets, route_map):
     """The GEMM-by-GEMM plan from timing each GEMM alone, checked against all-Triton and
     all-grouped_mm by timing the whole block forward+backward: GEMMs timed alone do not always
-    add up (L2 reuse, launch gaps), so the whole block decides."""
+    add up (L2 reuse, launch gaps), so the whole block decides. Timing runs on the caller's
+    tensors (no copies of the weights); if it runs out of memory, the all-Triton plan, which
+    needs the least, is used and a warning names the shape."""
+    from moe_kernels.triton import ffn_kernels
+
+    try:
+        return _fastest_plan(x, w_gate_up, w_down, offsets, route_map)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        warnings.warn(
+            f"moe_kernels: out of memory while timing block plans for x {tuple(x.shape)}, w_gate_up "
+            f"{tuple(w_gate_up.shape)}; using the all-Triton plan", stacklevel=3,
+        )
+        return ffn_kernels.ALL_TRITON
+
+
+def _fastest_plan(x, w_gate_up, w_down, offsets, route_map):
     import triton.testing
 
     from moe_kernels.triton import ffn_kernels
@@ -134,11 +152,10 @@ def _time_plans(x, w_gate_up, w_down, offsets, route_map):
     )
     candidates = list(dict.fromkeys([by_gemm, ffn_kernels.ALL_TRITON, ffn_kernels.ALL_GROUPED_MM]))
     gen = torch.Generator(device=x.device).manual_seed(0)
-    leaves = [t.detach().clone().requires_grad_() for t in (x, w_gate_up, w_down)]
+    leaves = [t.detach().requires_grad_() for t in (x, w_gate_up, w_down)]  # views: no copies
     grad = torch.randn(x.shape, device=x.device, generator=gen).to(x.dtype)
     if rm is not None:
-        weights = torch.rand(rm.num_tokens, rm.top_k, device=x.device, generator=gen).requires_grad_()
-        leaves.append(weights)
+        leaves.append(torch.rand(rm.num_tokens, rm.top_k, device=x.device, generator=gen).requires_grad_())
     times = {}
     for plan in candidates:
 
