@@ -1,4 +1,5 @@
 import json
+import math
 import subprocess
 import sys
 
@@ -41,6 +42,16 @@ def test_bench_reports_json_on_cpu(capsys):
                  "--train.micro_batch_size=2"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["tokens_per_s"] > 0 and out["mfu"] is None and out["model_tflops"] > 0
+    assert out["runtime"] == "LocalRuntime" and out["param_dtype"] == "fp32"
+
+
+def test_bench_runs_the_runtime_the_config_asks_for(capsys):
+    """bf16 resident weights (fp32 masters in the distributed optimizer), as `train` would run them."""
+    assert main(["bench", "--steps", "1", "--warmup", "1", "--model.num_layers=2", "--data.seq_len=32",
+                 "--train.micro_batch_size=2", "--parallel.param_dtype=bf16"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["runtime"] == "DistributedRuntime" and out["world_size"] == 1 and out["param_dtype"] == "bf16"
+    assert out["tokens_per_s"] > 0 and math.isfinite(out["final_loss"])
 
 
 def test_prepare_data_command(tmp_path):

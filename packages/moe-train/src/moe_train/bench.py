@@ -10,17 +10,21 @@ import torch
 
 from moe_train.config import Config
 from moe_train.model import Transformer, count_params, flops_per_token
+from moe_train.trainer.launch import make_runtime
 from moe_train.trainer.loop import pick_device
 from moe_train.trainer.mfu import peak_tflops
-from moe_train.trainer.runtime import LocalRuntime
 
 
 def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
-    """Time `steps` optimizer steps after `warmup`; routing as configured (presets use random routing)."""
+    """Time `steps` optimizer steps after `warmup`; routing as configured (presets use random routing).
+
+    The runtime is the one `train` would use for this config (`parallel.*`: e.g. bf16 resident
+    weights, or a layout under torchrun); tokens/s are per rank."""
     t, m = cfg.train, cfg.model
     device = pick_device(t.device)
     torch.manual_seed(t.seed)
-    runtime = LocalRuntime(cfg, device)
+    runtime = make_runtime(cfg, device)
+    device = runtime.device
     model = runtime.setup(Transformer(m))
     seq, mb = cfg.data.seq_len, t.micro_batch_size
     amp = device.type == "cuda" and t.autocast_bf16
@@ -49,6 +53,7 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
+    runtime.close()
     tokens = steps * t.grad_accum * mb * seq
     tps = tokens / elapsed
     fpt = flops_per_token(m, seq)
@@ -61,5 +66,6 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
         "mfu": (fpt * tps / 1e12 / peak) if peak else None, "peak_tflops_bf16": peak,
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "params_total": counts.total, "params_active": counts.active, "flops_per_token": fpt,
-        "routing": m.router.routing, "final_loss": loss,
+        "routing": m.router.routing, "final_loss": loss, "runtime": type(runtime).__name__,
+        "world_size": runtime.world_size, "param_dtype": cfg.parallel.param_dtype,
     }
