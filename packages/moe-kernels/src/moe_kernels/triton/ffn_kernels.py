@@ -27,9 +27,6 @@ from moe_kernels.triton.grouped_gemm_kernels import grouped_gemm_launch, grouped
 from moe_kernels.triton.permute_kernels import combine_backward, gather_sum, scatter_rows
 from moe_kernels.triton.swiglu_kernels import swiglu_backward, swiglu_forward
 
-GemmImpl = Literal["triton", "fused", "grouped_mm"]
-
-
 @dataclass(frozen=True)
 class BlockPlan:
     """How each GEMM of the block runs. "fused": Triton with the block's fusion (fwd1: gather +
@@ -49,10 +46,6 @@ class BlockPlan:
             ok = allowed.get(f.name, ("triton", "grouped_mm"))
             if getattr(self, f.name) not in ok:
                 raise ValueError(f"BlockPlan.{f.name}={getattr(self, f.name)!r} is not one of {ok}")
-
-    @property
-    def uses_grouped_mm(self) -> bool:
-        return "grouped_mm" in (self.fwd1, self.fwd2, self.dgrad2, self.wgrad2, self.dgrad1, self.wgrad1)
 
     @property
     def needs_sorted_rows(self) -> bool:
