@@ -56,7 +56,7 @@ def bench(mode: str, preset: str, args: argparse.Namespace, device: torch.device
     seq = args.seq_len or cfg.data.seq_len
     rt = make(mode, cfg, device)
     torch.manual_seed(0)
-    model = rt.setup(Transformer(cfg.model))
+    model = rt.setup(Transformer(cfg.model, device="meta"))
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     gen = torch.Generator(device="cpu").manual_seed(0)
     batches = [torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, seq + 1), generator=gen).to(device)

@@ -4,6 +4,7 @@ import torch.nn.functional as F
 
 from moe_train.config import ModelConfig, RouterConfig
 from moe_train.model import Transformer, count_params
+from moe_train.config_io import build_config
 from moe_train.model.moe import MoELayer
 from moe_precision import PrecisionRecipe
 
@@ -125,3 +126,34 @@ def test_dense_layers_mix_with_moe_layers():
     assert [b.is_moe for b in m.blocks] == [False, True]
     logits, aux = m(torch.randint(0, 64, (2, 5)))
     assert logits.shape == (2, 5, 64) and aux.ndim == 0
+
+
+def test_meta_built_expert_slice_initialises_like_the_whole_model():
+    """A rank that builds the model on the meta device, keeps experts [2, 4) of 6 and materialises
+    them draws exactly those experts' values of the whole model (same seed), and every other
+    weight too: initial values do not depend on the parallel layout."""
+    from torch import nn
+
+    from moe_train.trainer.runtime import materialize
+
+    cfg = build_config("tiny").model
+    cfg.num_layers, cfg.num_experts, cfg.dense_layers = 2, 6, []
+    whole = Transformer(cfg, device="meta")
+    materialize(whole, torch.device("cpu"), seed=11)
+    part = Transformer(cfg, device="meta")
+    offsets = {}
+    for lname, layer in part.named_modules():
+        if hasattr(layer, "experts") and hasattr(layer, "num_experts"):
+            for pname, p in list(layer.experts.named_parameters(recurse=False)):
+                setattr(layer.experts, pname, nn.Parameter(p[2:4].clone()))
+                offsets[f"{lname}.experts.{pname}"] = 2
+    assert offsets and all(p.is_meta for p in part.parameters())
+    materialize(part, torch.device("cpu"), seed=11, expert_row_offsets=offsets)
+    got = dict(part.named_parameters())
+    for name, p in whole.named_parameters():
+        want = p[2:4] if name in offsets else p
+        assert torch.equal(got[name], want), name
+    assert not torch.equal(whole.blocks[0].mlp.experts.w_down[0], whole.blocks[0].mlp.experts.w_down[1])
+    other = Transformer(cfg, device="meta")
+    materialize(other, torch.device("cpu"), seed=12)
+    assert not torch.equal(other.embed.weight, whole.embed.weight)

@@ -50,7 +50,7 @@ def train(cfg: Config, runtime, tokens: np.ndarray, on_micro_batch=None) -> dict
     """Minimal loop over the Runtime calls (the same ones moe_train's loop makes). Returns losses and weights."""
     t = cfg.train
     torch.manual_seed(t.seed)
-    model = runtime.setup(Transformer(cfg.model))
+    model = runtime.setup(Transformer(cfg.model, device="meta"))
     sampler = WindowSampler(tokens, cfg.data.seq_len, cfg.data.seed)
     losses, norms = [], []
     for step in range(t.steps):

@@ -45,7 +45,8 @@ def expert_parameter_names(model: nn.Module) -> set[str]:
 def apply_expert_parallel(model: nn.Module, groups: ParallelGroups, capacity_factor: float = 0.0) -> dict[str, ExpertShard]:
     """Slice every MoE layer's experts to this EP rank's block and install the all-to-all dispatcher.
 
-    Call after the model holds its full (seeded) weights and before DDP / the optimizer see it.
+    Call on the whole model, with its seeded weights or on the meta device (then only shapes are
+    sliced, and the caller allocates and initialises this rank's experts), before DDP / the optimizer see it.
     With ep = 1 the experts stay whole and only the router's balancing group is set.
     Returns the expert parameters' global shapes and row offsets (for checkpoints).
     """

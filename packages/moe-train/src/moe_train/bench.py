@@ -25,7 +25,7 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
     torch.manual_seed(t.seed)
     runtime = make_runtime(cfg, device)
     device = runtime.device
-    model = runtime.setup(Transformer(m))
+    model = runtime.setup(Transformer(m, device="meta"))
     seq, mb = cfg.data.seq_len, t.micro_batch_size
     amp = device.type == "cuda" and t.autocast_bf16
     g = torch.Generator(device="cpu").manual_seed(t.seed)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Mapping
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,7 +14,7 @@ from moe_precision import PrecisionRecipe
 from moe_train.config import ModelConfig
 from moe_train.model.attention import Attention
 from moe_train.model.layers import RMSNorm, SwiGLU, rope_tables
-from moe_train.model.moe import MoELayer
+from moe_train.model.moe import MoELayer, RoutedExperts
 from moe_train.model.router import Router
 
 
@@ -33,28 +37,57 @@ class Block(nn.Module):
         return x + y, aux
 
 
+def _generator(seed: int, name: str, device: torch.device, expert: int | None = None) -> torch.Generator:
+    """The generator of one parameter (or one expert's slice of it): a function of the seed and
+    the name alone, so every layout draws the same values."""
+    key = zlib.crc32(name.encode() if expert is None else f"{name}#{expert}".encode())
+    return torch.Generator(device=device).manual_seed((seed * 0x9E3779B1 + key) % 2**63)
+
+
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None):
+        """device="meta": shapes only, no memory and no initialisation; a runtime slices it for
+        its rank, materialises it on its device and calls reset_parameters(seed, ...)."""
         super().__init__()
         self.cfg = cfg
         recipe = PrecisionRecipe(cfg.precision)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, i, recipe) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        with torch.device(device) if device is not None else nullcontext():
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            self.blocks = nn.ModuleList(Block(cfg, i, recipe) for i in range(cfg.num_layers))
+            self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self._rope_cache: tuple[int, torch.device, torch.Tensor, torch.Tensor] | None = None
-        self.reset_parameters()
+        if torch.device(device if device is not None else "cpu").type != "meta":
+            self.reset_parameters(torch.initial_seed())
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, seed: int, expert_row_offsets: Mapping[str, int] | None = None) -> None:
+        """Norm weights 1, every other weight N(0, init_std) from its own generator (seed, name),
+        routed-expert weights one generator per global expert (seed, name, expert): a rank that
+        holds experts [offset, offset + rows) of a parameter (expert_row_offsets[name] = offset)
+        draws exactly those experts' values of the whole model. Buffers are zeroed; tied
+        embeddings are tied again."""
+        if self.cfg.tie_embeddings:  # materialising a meta model (to_empty) unties them
+            self.lm_head.weight = self.embed.weight
+        offsets = expert_row_offsets or {}
         std = self.cfg.init_std
+        expert_params = {
+            f"{mname}.{pname}" for mname, m in self.named_modules() if isinstance(m, RoutedExperts)
+            for pname, _ in m.named_parameters(recurse=False)
+        }
+        for buf in self.buffers():
+            buf.zero_()
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name in expert_params:
+                first = offsets.get(name, 0)
+                for i in range(p.shape[0]):
+                    p[i].normal_(0.0, std, generator=_generator(seed, name, p.device, first + i))
             else:
-                p.normal_(0.0, std)
+                p.normal_(0.0, std, generator=_generator(seed, name, p.device))
 
     def _rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         c = self._rope_cache

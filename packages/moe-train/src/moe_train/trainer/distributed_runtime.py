@@ -25,7 +25,7 @@ from moe_parallel import (
     moe_layers,
 )
 from moe_train.config import Config
-from moe_train.trainer.runtime import CheckpointShard, FlatRange, Slice, StepResult
+from moe_train.trainer.runtime import CheckpointShard, FlatRange, Slice, StepResult, is_meta, materialize
 from moe_train.trainer.schedule import param_groups
 
 
@@ -55,14 +55,20 @@ class DistributedRuntime:
     # ---- setup ---------------------------------------------------------------------------
     def setup(self, model: nn.Module) -> nn.Module:
         p, t = self.cfg.parallel, self.cfg.train
-        model = model.to(self.device)
-        if self.param_dtype is not None:
-            for param in model.parameters():
-                param.data = param.data.to(self.param_dtype)
-        self.model = model
+        meta = is_meta(model)
         if p.strategy == "fsdp":
+            model = materialize(model, self.device, t.seed) if meta else model.to(self.device)
+            self._cast(model)
+            self.model = model
             return self._setup_fsdp(model)
+        if not meta:
+            model = model.to(self.device)
+        # on a meta model this slices shapes only: the rank allocates just its own experts below
         self.expert_shards = apply_expert_parallel(model, self.groups, p.expert_capacity_factor)
+        if meta:
+            materialize(model, self.device, t.seed, {n: s.row_offset for n, s in self.expert_shards.items()})
+        self._cast(model)
+        self.model = model
         expert_names = expert_parameter_names(model)
         named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
         grad_dtype = torch.float32 if p.fp32_grad_accum else None
@@ -79,6 +85,11 @@ class DistributedRuntime:
             flats, AdamWConfig(t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay, t.grad_clip), self.groups.world
         )
         return model
+
+    def _cast(self, model: nn.Module) -> None:
+        if self.param_dtype is not None:
+            for param in model.parameters():
+                param.data = param.data.to(self.param_dtype)
 
     def _setup_fsdp(self, model: nn.Module) -> nn.Module:
         if self.groups.layout.ep != 1:

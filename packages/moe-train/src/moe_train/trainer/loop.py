@@ -52,7 +52,7 @@ class Trainer:
         self.sampler = WindowSampler(splits["train"].tokens, cfg.data.seq_len, cfg.data.seed)
         self.eval_data = eval_batches(splits["eval"].tokens, cfg.data.seq_len, t.micro_batch_size, t.eval_batches)
         torch.manual_seed(t.seed)
-        self.model = rt.setup(Transformer(cfg.model))
+        self.model = rt.setup(Transformer(cfg.model, device="meta"))  # each rank allocates only its slice
         self.run_dir = Path(t.run_dir)
         self.log = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.is_main)
         self.step = 0

@@ -73,6 +73,18 @@ class Runtime(Protocol):
     def close(self) -> None: ...
 
 
+def is_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int, expert_row_offsets: dict[str, int] | None = None) -> nn.Module:
+    """Allocate a meta-device model's (possibly expert-sliced) tensors on `device` and draw its
+    initial values: the same values, slice for slice, as the whole model built with that seed."""
+    model.to_empty(device=device)
+    model.reset_parameters(seed, expert_row_offsets)
+    return model
+
+
 class LocalRuntime:
     """One process, one device: plain AdamW over the model's fp32 parameters."""
 
@@ -88,8 +100,10 @@ class LocalRuntime:
         self.optimizer: torch.optim.AdamW | None = None
 
     def setup(self, model: nn.Module) -> nn.Module:
+        """model: built (moved to the device), or on the meta device (materialised there and
+        initialised from train.seed)."""
         t = self.cfg.train
-        self.model = model.to(self.device)
+        self.model = materialize(model, self.device, t.seed) if is_meta(model) else model.to(self.device)
         self.optimizer = torch.optim.AdamW(
             param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
             fused=self.device.type == "cuda",  # one kernel for the whole update: the single-GPU capacity tax
