@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, then the kernel, model and DDP benchmarks. Results land in $OUT.
-# usage (on the GPU machine, repo root):  bash tools/gpu_check.sh COMMIT
+# One device call (each part fits the 10-minute limit). Results land in $OUT.
+# usage (on the GPU machine, repo root):  bash tools/gpu_check.sh COMMIT [kernels|model]
+#   kernels (default): GPU tests (kernels + model), then the MoE block benchmark
+#   model:             training benches, fine-grained E=8/32/128, fp32 weights and bf16 resident
+#                      weights (distributed optimizer at world size 1), one optimizer step per micro-batch
 set -u
 commit=${1:-unknown}
+part=${2:-kernels}
 out=${OUT:-/tmp/gpu_out}
 mkdir -p "$out"
 source "$(dirname "$0")/gpu_env.sh"
@@ -17,11 +21,20 @@ stage() {  # stage NAME SECONDS CMD...
   echo "== $name: rc=$? in $((SECONDS - t0)) s"; tail -n 4 "$out/$name.log"
 }
 
-stage gpu_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
-  packages/moe-kernels/tests/test_triton_gpu.py packages/moe-train/tests/test_model_gpu.py
-stage kernel_bench 230 python3 packages/moe-kernels/bench/bench_moe_block.py --iters 6 --commit "$commit" \
-  --out "$out/h200_moe_block.json"
-stage train_bench 90 bash -c "python3 -m moe_train bench --preset tiny --steps 10 --warmup 3 --out $out/bench_tiny.json && \
-  python3 -m moe_train bench --preset fine-grained-e8 --steps 5 --warmup 3 --out $out/bench_fg_e8.json"
-stage ddp_bench 100 torchrun --nproc-per-node 1 packages/moe-parallel/bench/ddp_overhead.py --steps 8 --warmup 3 \
-  --out "$out/ddp_overhead.json"
+case "$part" in
+  kernels)
+    stage gpu_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+      packages/moe-kernels/tests/test_triton_gpu.py packages/moe-train/tests/test_model_gpu.py
+    stage kernel_bench 240 python3 packages/moe-kernels/bench/bench_moe_block.py --iters 6 --commit "$commit" \
+      --out "$out/h200_moe_block.json"
+    ;;
+  model)
+    for e in 8 32 128; do
+      stage "train_bench_e$e" 100 python3 -m moe_train bench --preset "fine-grained-e$e" --steps 5 --warmup 3 \
+        --out "$out/bench_fg_e$e.json"
+      stage "train_bench_e${e}_bf16" 100 python3 -m moe_train bench --preset "fine-grained-e$e" --steps 5 --warmup 3 \
+        --parallel.param_dtype=bf16 --out "$out/bench_fg_e${e}_bf16.json"
+    done
+    ;;
+  *) echo "unknown part '$part': expected kernels or model" >&2; exit 2 ;;
+esac
