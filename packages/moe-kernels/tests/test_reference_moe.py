@@ -118,3 +118,11 @@ def test_bad_shapes_raise_clear_errors():
         build_route_map(torch.zeros(4, dtype=torch.long), 2)
     with pytest.raises(ValueError, match="backend='cuda' is not one of"):
         grouped_gemm(torch.zeros(2, 3), torch.zeros(1, 3, 4), torch.tensor([2], dtype=torch.int32), backend="cuda")
+
+
+def test_tuning_keys_bucket_row_counts_to_powers_of_two():
+    """Expert-parallel ranks receive a different row count every step: tuned block shapes and
+    block plans are keyed by the count rounded up to a power of two, so they are not re-timed."""
+    from moe_kernels.triton.tuning import rows_bucket
+
+    assert [rows_bucket(n) for n in (0, 1, 2, 3, 1000, 1024, 1025, 131071)] == [1, 1, 2, 4, 1024, 1024, 2048, 131072]

@@ -109,9 +109,9 @@ def _plan(
     if backend == "torch":
         return ffn_kernels.ALL_GROUPED_MM if mm_ok else None
     top_k = route_map.top_k if route_map is not None else 1
-    # rows bucketed to a power of two: expert-parallel ranks receive a different count every step
-    rows_bucket = 1 << max(0, x.shape[0] - 1).bit_length()
-    key = (rows_bucket, tuple(w_gate_up.shape), top_k, x.dtype, route_map is not None)
+    from moe_kernels.triton.tuning import rows_bucket
+
+    key = (rows_bucket(x.shape[0]), tuple(w_gate_up.shape), top_k, x.dtype, route_map is not None)
     plan = _PLANS.get(key)
     if plan is None:
         if torch.cuda.is_current_stream_capturing():

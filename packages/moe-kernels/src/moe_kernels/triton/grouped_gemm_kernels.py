@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels.triton.tuning import pick_config
+from moe_kernels.triton.tuning import pick_config, rows_bucket
 
 
 @triton.jit
@@ -316,7 +316,7 @@ def grouped_gemm_launch(
     if config is not None:
         launch(config)
         return c
-    key = ("gemm", epilogue, gather is not None, n_rows, K, out_cols, E, b.stride(1) == 1, a.dtype)
+    key = ("gemm", epilogue, gather is not None, rows_bucket(n_rows), K, out_cols, E, b.stride(1) == 1, a.dtype)
     pick_config(key, configs, launch)
     return c
 
@@ -359,7 +359,7 @@ def grouped_wgrad_launch(
     if config is not None:
         launch(config)
         return out
-    key = ("wgrad", gather is not None, b.shape[0], K, N, num_experts, a.dtype)
+    key = ("wgrad", gather is not None, rows_bucket(b.shape[0]), K, N, num_experts, a.dtype)
     pick_config(key, configs, launch)
     return out
 

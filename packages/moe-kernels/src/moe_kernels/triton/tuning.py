@@ -14,6 +14,13 @@ import torch
 _BEST: dict[tuple, dict[str, Any]] = {}
 
 
+def rows_bucket(n: int) -> int:
+    """n rounded up to a power of two: the row count in tuning keys. Expert-parallel ranks
+    receive a different number of rows every step; the best block shape barely depends on it,
+    and an exact count in the key would re-tune every step."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def pick_config(key: tuple, configs: list[dict[str, Any]], launch: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """Run `launch` with the cached best config for `key`, tuning first if it is new. Returns the config."""
     best = _BEST.get(key)
