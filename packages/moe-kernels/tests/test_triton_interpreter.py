@@ -59,21 +59,17 @@ def _check_block(torch, moe):
         if E != 6:
             continue
         # the unfused triton ops: permute, grouped GEMM (fwd, dgrad, wgrad), combine
-        xs = [t.clone().requires_grad_() for t in leaves]
-        rows = moe.permute(xs[0], rm, backend="triton")
-        hmid = moe.grouped_gemm(rows, xs[2], rm.offsets, backend="triton")
-        y = moe.grouped_gemm(hmid[:, :h].contiguous(), xs[3], rm.offsets, backend="triton")
-        out = moe.combine(y, rm, xs[1], backend="triton")
-        out.sum().backward()
-        ref_leaves = [t.clone().requires_grad_() for t in leaves]
-        rows = moe.permute(ref_leaves[0], rm, backend="reference")
-        hmid = moe.grouped_gemm(rows, ref_leaves[2], rm.offsets, backend="reference")
-        y = moe.grouped_gemm(hmid[:, :h].contiguous(), ref_leaves[3], rm.offsets, backend="reference")
-        ref = moe.combine(y, rm, ref_leaves[1], backend="reference")
-        ref.sum().backward()
-        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-        for a, b in zip(xs, ref_leaves):
-            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4)
+        unfused = {}
+        for backend in ("triton", "reference"):
+            xs = [t.clone().requires_grad_() for t in leaves]
+            rows = moe.permute(xs[0], rm, backend=backend)
+            hmid = moe.grouped_gemm(rows, xs[2], rm.offsets, backend=backend)
+            y = moe.grouped_gemm(hmid[:, :h].contiguous(), xs[3], rm.offsets, backend=backend)
+            out = moe.combine(y, rm, xs[1], backend=backend)
+            out.sum().backward()
+            unfused[backend] = [out] + [t.grad for t in xs]
+        for a, b in zip(unfused["triton"], unfused["reference"]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def _check_tensor_descriptor_paths(torch):
