@@ -44,6 +44,17 @@ def _locate_tile(mt, experts, starts, ends, tiles, cum, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _source_rows(gather_ptr, rows, mask, TOPK: tl.constexpr, GATHER_A: tl.constexpr):
+    """A's row for each row in expert order (int64): x-row gather[row] // TOPK when the permute is
+    fused into the A-load, else the row itself."""
+    if GATHER_A:
+        src = (tl.load(gather_ptr + rows, mask=mask, other=0) // TOPK).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    return src
+
+
+@triton.jit
 def _load_b_tile(b_ptrs, b_desc, e, k0, n0, kmask, nmask,
                  EVEN_K: tl.constexpr, B_TMA: tl.constexpr, B_NK: tl.constexpr,
                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -81,10 +92,7 @@ def _grouped_gemm_kernel(
         e, row0, e_end = _locate_tile(mt, experts, starts, ends, tiles, cum, BLOCK_M)
         rm = row0 + tl.arange(0, BLOCK_M)
         mmask = rm < e_end
-        if GATHER_A:
-            src = tl.load(gather_ptr + rm, mask=mmask, other=0) // TOPK
-        else:
-            src = rm.to(tl.int64)
+        src = _source_rows(gather_ptr, rm, mmask, TOPK, GATHER_A)
         n0 = nt * BLOCK_N
         rn = n0 + tl.arange(0, BLOCK_N)
         nmask = rn < N
@@ -173,10 +181,7 @@ def _grouped_wgrad_kernel(
         if A_TMA:
             a = a_desc.load([r0, kt * BLOCK_K])
         else:
-            if GATHER_A:
-                src = tl.load(gather_ptr + rr) // TOPK
-            else:
-                src = rr.to(tl.int64)
+            src = _source_rows(gather_ptr, rr, rr < full_end, TOPK, GATHER_A)
             a = tl.load(a_ptr + src[:, None] * stride_am + rk[None, :] * stride_ak, mask=kmask[None, :], other=0.0)
         if B_TMA:
             b = b_desc.load([r0, nt * BLOCK_N])
@@ -189,10 +194,7 @@ def _grouped_wgrad_kernel(
     if full_end < end:
         rr = full_end + tl.arange(0, BLOCK_R)
         rmask = rr < end
-        if GATHER_A:
-            src = tl.load(gather_ptr + rr, mask=rmask, other=0) // TOPK
-        else:
-            src = rr.to(tl.int64)
+        src = _source_rows(gather_ptr, rr, rmask, TOPK, GATHER_A)
         a = tl.load(a_ptr + src[:, None] * stride_am + rk[None, :] * stride_ak, mask=rmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(b_ptr + rr.to(tl.int64)[:, None] * stride_bm + rn[None, :] * stride_bn, mask=rmask[:, None] & nmask[None, :], other=0.0)
         if UPCAST:
