@@ -9,11 +9,8 @@ shape). Options, all compile-time:
   EPILOGUE  0: C = A @ B;  1: SwiGLU forward, B holds [gate | up] (H columns apart):
             writes pre = [gate | up] and C = silu(gate) * up;  2: SwiGLU backward: C = d[gate | up]
             from A @ B = d_act and the saved pre.
-An expert's last M-tile runs at half height (BLOCK_M // 2 rows) when at most half of it holds
-rows, so small experts pay for less padding.
 wgrad: dW[e] = A[rows_e]^T @ B[rows_e], one program per (expert, K-tile, N-tile), looping
-over that expert's rows (a last partial chunk of at most half height runs at half height);
-empty experts get zeros.
+over that expert's rows; empty experts get zeros.
 """
 
 from __future__ import annotations
@@ -76,80 +73,8 @@ def _load_b_tile(b_ptrs, b_desc, e, k0, n0, kmask, nmask,
 
 
 @triton.jit
-def _gemm_tile(
-    a_ptr, a_desc, b_ptr, b_desc, c_ptr, aux_ptr, gather_ptr, e, row0, e_end, n0, K, N, H,
-    stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn, stride_xm, stride_xn,
-    TOPK: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr,
-    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_NK: tl.constexpr,
-    BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """One [BM, BLOCK_N] output tile: rows row0.. (those < e_end) of expert e, columns n0.., epilogue included."""
-    out_ty = c_ptr.dtype.element_ty
-    rm = row0 + tl.arange(0, BM)
-    mmask = rm < e_end
-    src = _source_rows(gather_ptr, rm, mmask, TOPK, GATHER_A)
-    rn = n0 + tl.arange(0, BLOCK_N)
-    nmask = rn < N
-    rk = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + src[:, None] * stride_am + rk[None, :] * stride_ak
-    b_ptrs = b_ptr + e.to(tl.int64) * stride_be + rk[:, None] * stride_bk + rn[None, :] * stride_bn
-    acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
-    if EPILOGUE == 1:
-        acc2 = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kmask = (k0 + rk) < K
-        if A_TMA:
-            # rows past this expert's end belong to the next expert (or are zero-filled): their
-            # products land only in rows the masked store below skips
-            a = a_desc.load([row0, k0])
-        elif EVEN_K:
-            a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
-        else:
-            a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
-        b = _load_b_tile(b_ptrs, b_desc, e, k0, n0, kmask, nmask, EVEN_K, B_TMA, B_NK, BLOCK_K, BLOCK_N)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        if EPILOGUE == 1:
-            b2 = _load_b_tile(b_ptrs + H * stride_bn, b_desc, e, k0, n0 + H, kmask, nmask,
-                              EVEN_K, B_TMA, B_NK, BLOCK_K, BLOCK_N)
-            if UPCAST:
-                b2 = b2.to(tl.float32)
-            acc2 = tl.dot(a, b2, acc2, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-    rows = rm.to(tl.int64)
-    cmask = mmask[:, None] & nmask[None, :]
-    c_ptrs = c_ptr + rows[:, None] * stride_cm + rn[None, :] * stride_cn
-    if EPILOGUE == 0:
-        tl.store(c_ptrs, acc.to(out_ty), mask=cmask)
-    elif EPILOGUE == 1:
-        # round to the storage dtype first, as the unfused path does
-        g = acc.to(out_ty)
-        u = acc2.to(out_ty)
-        x_ptrs = aux_ptr + rows[:, None] * stride_xm + rn[None, :] * stride_xn
-        tl.store(x_ptrs, g, mask=cmask)
-        tl.store(x_ptrs + H * stride_xn, u, mask=cmask)
-        gf = g.to(tl.float32)
-        act = gf * tl.sigmoid(gf) * u.to(tl.float32)
-        tl.store(c_ptrs, act.to(out_ty), mask=cmask)
-    else:
-        x_ptrs = aux_ptr + rows[:, None] * stride_xm + rn[None, :] * stride_xn
-        gf = tl.load(x_ptrs, mask=cmask, other=0.0).to(tl.float32)
-        uf = tl.load(x_ptrs + H * stride_xn, mask=cmask, other=0.0).to(tl.float32)
-        da = acc.to(out_ty).to(tl.float32)
-        sig = tl.sigmoid(gf)
-        du = da * gf * sig
-        dg = da * uf * sig * (1.0 + gf * (1.0 - sig))
-        tl.store(c_ptrs, dg.to(out_ty), mask=cmask)
-        tl.store(c_ptrs + H * stride_cn, du.to(out_ty), mask=cmask)
-
-
-@triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, a_desc, a_desc_half, b_ptr, b_desc, c_ptr, aux_ptr, offsets_ptr, gather_ptr,
+    a_ptr, a_desc, b_ptr, b_desc, c_ptr, aux_ptr, offsets_ptr, gather_ptr,
     E, K, N, H,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn, stride_xm, stride_xn,
     TOPK: tl.constexpr, E_P2: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr,
@@ -160,40 +85,71 @@ def _grouped_gemm_kernel(
     experts, starts, ends, tiles, cum = _expert_tiles(offsets_ptr, E, E_P2, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     total = tl.sum(tiles, axis=0) * num_n
+    out_ty = c_ptr.dtype.element_ty
     for tile in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN):
         mt = tile // num_n
         nt = tile % num_n
         e, row0, e_end = _locate_tile(mt, experts, starts, ends, tiles, cum, BLOCK_M)
-        # an expert's last tile with at most half a tile of rows runs at half height: with many
-        # small experts these tails are a large share of all tiles (E=128, 512 rows on average:
-        # 12% of the M-tiles at full height are padding, 6% at half height)
-        if e_end - row0 <= BLOCK_M // 2:
-            _gemm_tile(a_ptr, a_desc_half, b_ptr, b_desc, c_ptr, aux_ptr, gather_ptr, e, row0, e_end, nt * BLOCK_N, K, N, H,
-                       stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn, stride_xm, stride_xn,
-                       TOPK, GATHER_A, EPILOGUE, EVEN_K, UPCAST, PRECISION, A_TMA, B_TMA, B_NK,
-                       BLOCK_M // 2, BLOCK_N, BLOCK_K)
+        rm = row0 + tl.arange(0, BLOCK_M)
+        mmask = rm < e_end
+        src = _source_rows(gather_ptr, rm, mmask, TOPK, GATHER_A)
+        n0 = nt * BLOCK_N
+        rn = n0 + tl.arange(0, BLOCK_N)
+        nmask = rn < N
+        rk = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + src[:, None] * stride_am + rk[None, :] * stride_ak
+        b_ptrs = b_ptr + e.to(tl.int64) * stride_be + rk[:, None] * stride_bk + rn[None, :] * stride_bn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if EPILOGUE == 1:
+            acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kmask = (k0 + rk) < K
+            if A_TMA:
+                # rows past this expert's end belong to the next expert (or are zero-filled): their
+                # products land only in rows the masked store below skips
+                a = a_desc.load([row0, k0])
+            elif EVEN_K:
+                a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            b = _load_b_tile(b_ptrs, b_desc, e, k0, n0, kmask, nmask, EVEN_K, B_TMA, B_NK, BLOCK_K, BLOCK_N)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if EPILOGUE == 1:
+                b2 = _load_b_tile(b_ptrs + H * stride_bn, b_desc, e, k0, n0 + H, kmask, nmask,
+                                  EVEN_K, B_TMA, B_NK, BLOCK_K, BLOCK_N)
+                if UPCAST:
+                    b2 = b2.to(tl.float32)
+                acc2 = tl.dot(a, b2, acc2, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        rows = rm.to(tl.int64)
+        cmask = mmask[:, None] & nmask[None, :]
+        c_ptrs = c_ptr + rows[:, None] * stride_cm + rn[None, :] * stride_cn
+        if EPILOGUE == 0:
+            tl.store(c_ptrs, acc.to(out_ty), mask=cmask)
+        elif EPILOGUE == 1:
+            # round to the storage dtype first, as the unfused path does
+            g = acc.to(out_ty)
+            u = acc2.to(out_ty)
+            x_ptrs = aux_ptr + rows[:, None] * stride_xm + rn[None, :] * stride_xn
+            tl.store(x_ptrs, g, mask=cmask)
+            tl.store(x_ptrs + H * stride_xn, u, mask=cmask)
+            gf = g.to(tl.float32)
+            act = gf * tl.sigmoid(gf) * u.to(tl.float32)
+            tl.store(c_ptrs, act.to(out_ty), mask=cmask)
         else:
-            _gemm_tile(a_ptr, a_desc, b_ptr, b_desc, c_ptr, aux_ptr, gather_ptr, e, row0, e_end, nt * BLOCK_N, K, N, H,
-                       stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn, stride_xm, stride_xn,
-                       TOPK, GATHER_A, EPILOGUE, EVEN_K, UPCAST, PRECISION, A_TMA, B_TMA, B_NK,
-                       BLOCK_M, BLOCK_N, BLOCK_K)
-
-
-@triton.jit
-def _wgrad_rows(a_ptr, b_ptr, gather_ptr, r0, end, rk, rn, kmask, nmask, acc,
-                stride_am, stride_ak, stride_bm, stride_bn,
-                TOPK: tl.constexpr, GATHER_A: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                BR: tl.constexpr):
-    """acc += A[rows r0..r0+BR (< end)]^T @ B[same rows], masked pointer loads."""
-    rr = r0 + tl.arange(0, BR)
-    rmask = rr < end
-    src = _source_rows(gather_ptr, rr, rmask, TOPK, GATHER_A)
-    a = tl.load(a_ptr + src[:, None] * stride_am + rk[None, :] * stride_ak, mask=rmask[:, None] & kmask[None, :], other=0.0)
-    b = tl.load(b_ptr + rr.to(tl.int64)[:, None] * stride_bm + rn[None, :] * stride_bn, mask=rmask[:, None] & nmask[None, :], other=0.0)
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+            x_ptrs = aux_ptr + rows[:, None] * stride_xm + rn[None, :] * stride_xn
+            gf = tl.load(x_ptrs, mask=cmask, other=0.0).to(tl.float32)
+            uf = tl.load(x_ptrs + H * stride_xn, mask=cmask, other=0.0).to(tl.float32)
+            da = acc.to(out_ty).to(tl.float32)
+            sig = tl.sigmoid(gf)
+            du = da * gf * sig
+            dg = da * uf * sig * (1.0 + gf * (1.0 - sig))
+            tl.store(c_ptrs, dg.to(out_ty), mask=cmask)
+            tl.store(c_ptrs + H * stride_cn, du.to(out_ty), mask=cmask)
 
 
 @triton.jit
@@ -235,13 +191,16 @@ def _grouped_wgrad_kernel(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
-    # the partial chunk: half height when it has at most half a chunk of rows
-    if end - full_end > BLOCK_R // 2:
-        acc = _wgrad_rows(a_ptr, b_ptr, gather_ptr, full_end, end, rk, rn, kmask, nmask, acc,
-                          stride_am, stride_ak, stride_bm, stride_bn, TOPK, GATHER_A, UPCAST, PRECISION, BLOCK_R)
-    elif full_end < end:
-        acc = _wgrad_rows(a_ptr, b_ptr, gather_ptr, full_end, end, rk, rn, kmask, nmask, acc,
-                          stride_am, stride_ak, stride_bm, stride_bn, TOPK, GATHER_A, UPCAST, PRECISION, BLOCK_R // 2)
+    if full_end < end:
+        rr = full_end + tl.arange(0, BLOCK_R)
+        rmask = rr < end
+        src = _source_rows(gather_ptr, rr, rmask, TOPK, GATHER_A)
+        a = tl.load(a_ptr + src[:, None] * stride_am + rk[None, :] * stride_ak, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_ptr + rr.to(tl.int64)[:, None] * stride_bm + rn[None, :] * stride_bn, mask=rmask[:, None] & nmask[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
     c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + rk[:, None] * stride_ck + rn[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=kmask[:, None] & nmask[None, :])
 
@@ -255,7 +214,6 @@ _GEMM_CONFIGS_BF16 = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, tma=True),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, tma=False),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, tma=True),
-    dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, tma=True),
     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, tma=True),
 ]
 _SWIGLU_CONFIGS_BF16 = [
@@ -341,7 +299,6 @@ def grouped_gemm_launch(
         cfg = dict(cfg)
         bm, bn, bk, tma = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("tma") and tma_ok
         a_desc = _descriptor(a, [bm, bk]) if tma and gather is None else None
-        a_desc_half = _descriptor(a, [bm // 2, bk]) if a_desc is not None else None
         # the SwiGLU epilogue reads B's up half at column H: a tensor-descriptor box must start
         # 16-byte aligned there (an unaligned H faulted on the H200)
         b_tma = tma and (epilogue != 1 or (swiglu_h * b.element_size()) % 16 == 0)
@@ -349,7 +306,7 @@ def grouped_gemm_launch(
         upper = (triton.cdiv(n_rows, bm) + E) * triton.cdiv(out_cols, bn)
         grid = (max(1, min(sms, upper)),)
         _grouped_gemm_kernel[grid](
-            a, a_desc, a_desc_half, b, b_desc, c, aux, offsets, gather_t, E, K, out_cols, swiglu_h,
+            a, a_desc, b, b_desc, c, aux, offsets, gather_t, E, K, out_cols, swiglu_h,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
             c.stride(0), c.stride(1), aux.stride(0), aux.stride(1),
             TOPK=top_k, E_P2=e_p2, GATHER_A=gather is not None, EPILOGUE=epilogue,
