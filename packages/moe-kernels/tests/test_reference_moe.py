@@ -2,7 +2,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_kernels import LocalDispatcher, build_route_map, combine, grouped_gemm, grouped_gemm_reference, permute, swiglu_experts
+from moe_kernels import (
+    LocalDispatcher,
+    build_route_map,
+    combine,
+    grouped_gemm,
+    grouped_gemm_reference,
+    moe_ffn,
+    permute,
+    swiglu_experts,
+)
 
 
 def naive_moe(x, ids, weights, w_gate_up, w_down):
@@ -126,3 +135,67 @@ def test_tuning_keys_bucket_row_counts_to_powers_of_two():
     from moe_kernels.triton.tuning import rows_bucket
 
     assert [rows_bucket(n) for n in (0, 1, 2, 3, 1000, 1024, 1025, 131071)] == [1, 1, 2, 4, 1024, 1024, 2048, 131072]
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "auto"])
+def test_empty_batch_gives_empty_outputs_and_gradients(backend):
+    """A rank can receive no tokens (expert parallelism, the last micro-batch): every CPU backend
+    returns [0, d] and zero weight gradients instead of failing on a reshape."""
+    E, d, h, k = 4, 8, 8, 2
+    rm = build_route_map(torch.zeros(0, k, dtype=torch.long), E, backend=backend)
+    assert rm.counts.tolist() == [0] * E and rm.sort_order.numel() == 0
+    x = torch.randn(0, d, requires_grad=True)
+    w = torch.rand(0, k, requires_grad=True)
+    w1 = torch.randn(E, d, 2 * h, requires_grad=True)
+    w2 = torch.randn(E, h, d, requires_grad=True)
+    out = moe_ffn(x, rm, w, w1, w2, backend=backend)
+    assert out.shape == (0, d)
+    out.sum().backward()
+    assert torch.count_nonzero(w1.grad) == 0 and torch.count_nonzero(w2.grad) == 0
+    assert combine(torch.zeros(0, d), rm, torch.zeros(0, k), backend=backend).shape == (0, d)
+
+
+def test_auto_on_cpu_falls_back_to_the_reference_for_unaligned_rows():
+    """torch's CPU grouped_mm needs rows of 16-byte multiples; h=6 fp32 (24 bytes) must not reach it."""
+    E, T, d, h, k = 3, 9, 8, 6, 2
+    g = torch.Generator().manual_seed(1)
+    ids = torch.rand(T, E, generator=g).topk(k, dim=1).indices
+    rm = build_route_map(ids, E)
+    args = (torch.randn(T, d, generator=g), rm, torch.rand(T, k, generator=g),
+            torch.randn(E, d, 2 * h, generator=g), torch.randn(E, h, d, generator=g))
+    torch.testing.assert_close(moe_ffn(*args, backend="auto"), moe_ffn(*args, backend="reference"))
+    with pytest.raises(ValueError, match=r"multiples of 16"):
+        moe_ffn(*args, backend="torch")
+
+
+@pytest.mark.parametrize("bad, shown", [(4, "=4 is outside"), (-1, "=-1 is outside"), (2**40, "=1099511627776 is outside")])
+@pytest.mark.parametrize("backend", ["reference", "torch", "auto"])
+def test_out_of_range_expert_ids_are_named(bad, shown, backend):
+    ids = torch.tensor([[0, 1], [2, 3], [1, 0]])
+    ids[2, 1] = bad
+    with pytest.raises(ValueError, match=r"expert_ids\[2, 1\]" + shown + r".*\[0, num_experts=4\)"):
+        build_route_map(ids, 4, backend=backend)
+
+
+def test_bad_inputs_raise_clear_errors(monkeypatch):
+    ids = torch.tensor([[0, 1], [2, 3]])
+    with pytest.raises(ValueError, match="expert_ids must be an integer tensor, got dtype=torch.float32"):
+        build_route_map(ids.float(), 4)
+    rm = build_route_map(ids, 4)
+    x32 = torch.randn(2, 8)
+    w1, w2 = torch.randn(4, 8, 12), torch.randn(4, 6, 8)
+    with pytest.raises(ValueError, match="w_gate_up is torch.float32 on cpu but x is torch.bfloat16"):
+        moe_ffn(x32.bfloat16(), rm, torch.rand(2, 2), w1, w2)
+    with pytest.raises(ValueError, match="w_down is torch.bfloat16 on cpu but x is torch.float32"):
+        swiglu_experts(x32[rm.source_token], w1, w2.bfloat16(), rm.offsets)
+    with pytest.raises(ValueError, match="must share dtype and device"):
+        grouped_gemm(x32, w1.double(), rm.offsets)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for call in (
+        lambda: build_route_map(ids, 4, backend="triton"),
+        lambda: moe_ffn(x32, rm, torch.rand(2, 2), w1, w2, backend="triton"),
+        lambda: grouped_gemm(x32[rm.source_token], w1, rm.offsets, backend="triton"),
+        lambda: permute(x32, rm, backend="triton"),
+    ):
+        with pytest.raises(ValueError, match=r"backend='triton' (got a tensor on device=cpu|needs triton installed)"):
+            call()

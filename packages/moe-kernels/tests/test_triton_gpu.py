@@ -260,3 +260,24 @@ def test_triton_moe_block_replays_in_cuda_graph():
     ref = run_block(lambda x, w, a, b: moe_ffn(x, rm_ref, w, a, b, backend="reference"), leaves2, torch.float64, "cpu", grad_out.double().cpu())
     for a, b in zip(got, ref):
         assert rel(a, b) < 1.5e-2
+
+
+def test_out_of_range_expert_id_trips_a_device_assert():
+    """On the GPU the route map checks ids without a host read: a bad id fires a device-side
+    assert. That ends the CUDA context, so it runs in a child process."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, moe_kernels as moe\n"
+        "ids = torch.randint(0, 8, (300, 2), device='cuda')\n"
+        "ids[123, 1] = 8\n"
+        "rm = moe.build_route_map(ids, 8, backend='triton')\n"
+        "torch.cuda.synchronize()\n"
+        "print('no assert')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "no assert" not in proc.stdout, proc.stdout + proc.stderr
+    assert "device-side assert" in proc.stderr or "assert" in proc.stderr.lower(), proc.stderr[-2000:]
+    ok = subprocess.run([sys.executable, "-c", script.replace("ids[123, 1] = 8\n", "")], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "no assert" in ok.stdout, ok.stderr[-2000:]

@@ -32,6 +32,32 @@ def _check_route_map(torch, moe):
             assert a.dtype == b.dtype and torch.equal(a, b), (name, T, k, E)
 
 
+def _check_route_map_flags_bad_ids(torch):
+    """Ids outside [0, E) (negative, in the power-of-two padding, far past it) clear the device
+    flag, stay out of the counts, and do not disturb where the valid rows go."""
+    from moe_kernels.triton.route_map_kernels import route_map_tensors
+
+    E = 6  # padded to 8 inside the kernels: 6 and 7 are in the padding
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, E, (50, 3), generator=g)
+    counts, offsets, order, dest, ok = route_map_tensors(ids, E)
+    assert int(ok) == 1
+    for bad in (-1, 7, 9, 2**40):
+        bad_ids = ids.clone()
+        bad_ids[0, 0], bad_ids[17, 2] = bad, bad
+        counts, offsets, order, dest, ok = route_map_tensors(bad_ids, E)
+        assert int(ok) == 0, bad
+        flat = bad_ids.reshape(-1)
+        valid = (flat >= 0) & (flat < E)
+        n_valid = int(valid.sum())
+        assert counts.tolist() == torch.bincount(flat[valid], minlength=E).tolist(), bad
+        assert int(offsets[-1]) == n_valid
+        keep = valid.nonzero().squeeze(1)
+        expect = keep[torch.sort(flat[keep], stable=True).indices]
+        assert torch.equal(order[:n_valid], expect), bad
+        assert torch.equal(dest[expect], torch.arange(n_valid)), bad
+
+
 def _check_block(torch, moe):
     # odd T, empty experts, E not a power of two, d and h not multiples of any block
     # (E=256 runs here for the route map and on the GPU for the block: the interpreter is slow per tile)
@@ -186,6 +212,7 @@ if __name__ == "__main__":
 
     torch.set_num_threads(2)
     _check_route_map(torch, moe)
+    _check_route_map_flags_bad_ids(torch)
     _check_block(torch, moe)
     _check_block_plans(torch, moe)
     _check_plan_search(torch, moe)

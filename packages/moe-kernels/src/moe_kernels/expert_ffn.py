@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from moe_kernels.grouped_gemm import GemmBackend, grouped_gemm, torch_grouped_mm_supported
 from moe_kernels.permute import combine, permute
 from moe_kernels.route_map import RouteMap
-from moe_kernels.triton import triton_runs_on
+from moe_kernels.triton import use_triton
 
 
 def _check_weights(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, offsets: torch.Tensor) -> None:
@@ -29,6 +29,12 @@ def _check_weights(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
         raise ValueError(f"x has d={x.shape[-1]} but w_gate_up has d={d}")
     if offsets.shape != (E,):
         raise ValueError(f"offsets shape {tuple(offsets.shape)} != (num_experts,)=({E},)")
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if w.dtype != x.dtype or w.device != x.device:
+            raise ValueError(
+                f"{name} is {w.dtype} on {w.device} but x is {x.dtype} on {x.device}: cast the activations "
+                "or the weights so they match"
+            )
 
 
 def swiglu_experts(
@@ -42,11 +48,11 @@ def swiglu_experts(
 
     x_sorted: [N, d]; w_gate_up: [E, d, 2h] (gate then up); w_down: [E, h, d]; offsets: [E] int32 -> [N, d].
     """
+    _check_weights(x_sorted, w_gate_up, w_down, offsets)
     plan = _plan(backend, x_sorted, w_gate_up, w_down, offsets)
     if plan is not None:
         from moe_kernels.triton.ffn_kernels import swiglu_ffn_sorted
 
-        _check_weights(x_sorted, w_gate_up, w_down, offsets)
         return swiglu_ffn_sorted(x_sorted, w_gate_up, w_down, offsets, plan)
     h = grouped_gemm(x_sorted, w_gate_up, offsets, backend)
     gate, up = h.chunk(2, dim=-1)
@@ -99,11 +105,11 @@ def _plan(
     per shape (rows bucketed to a power of two) and cached."""
     if backend not in ("auto", "triton", "torch", "reference"):
         raise ValueError(f"backend={backend!r} is not one of 'auto', 'triton', 'torch', 'reference'")
-    if backend == "reference" or (backend != "triton" and not triton_runs_on(x)):
+    if backend == "reference" or not use_triton("auto" if backend == "torch" else backend, x):
         return None
     from moe_kernels.triton import ffn_kernels
 
-    mm_ok = torch_grouped_mm_supported(x, w_gate_up) and torch_grouped_mm_supported(x, w_down)
+    mm_ok = torch_grouped_mm_supported(x, w_gate_up) and torch_grouped_mm_supported(x, w_down, in_cols=w_down.shape[1])
     if backend == "triton" or (backend == "auto" and not mm_ok):
         return ffn_kernels.ALL_TRITON
     if backend == "torch":

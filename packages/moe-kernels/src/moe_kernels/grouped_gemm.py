@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-from moe_kernels.triton import triton_runs_on
+from moe_kernels.triton import use_triton
 
 GemmBackend = Literal["auto", "triton", "torch", "reference"]
 
@@ -27,17 +27,20 @@ def grouped_gemm_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tens
     return torch.cat(outs, dim=0) if outs else x.new_zeros(0, w.shape[-1])
 
 
-def torch_grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether torch's grouped_mm kernel handles these operands on their device."""
+def torch_grouped_mm_supported(x: torch.Tensor, w: torch.Tensor, in_cols: int | None = None) -> bool:
+    """Whether torch's grouped_mm kernel handles x [N, in_cols] @ w [E, in_cols, M] on x's device
+    (in_cols defaults to x's columns; the second GEMM of a block passes its hidden size)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
+    in_cols = x.shape[1] if in_cols is None else in_cols
+    # rows of 16-byte multiples are required by the CUDA and the CPU kernels alike
+    rows_aligned = (in_cols * x.element_size()) % 16 == 0 and (w.shape[-1] * w.element_size()) % 16 == 0
     if x.device.type == "cuda":
         if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0):
             return False
-        # rows of 16-byte multiples are required by the CUDA kernel
-        return (x.shape[1] * x.element_size()) % 16 == 0 and (w.shape[-1] * w.element_size()) % 16 == 0
+        return rows_aligned
     if x.device.type == "cpu":
-        return x.dtype == torch.float32
+        return x.dtype == torch.float32 and rows_aligned
     return False
 
 
@@ -67,18 +70,24 @@ def grouped_gemm(
         raise ValueError(f"x has K={x.shape[1]} but w has K={w.shape[1]}")
     if offsets.shape != (w.shape[0],):
         raise ValueError(f"offsets shape {tuple(offsets.shape)} != (num_experts,)=({w.shape[0]},)")
+    if x.dtype != w.dtype or x.device != w.device:
+        raise ValueError(f"x ({x.dtype}, {x.device}) and w ({w.dtype}, {w.device}) must share dtype and device")
+    if backend not in ("auto", "triton", "torch", "reference"):
+        raise ValueError(f"backend={backend!r} is not one of 'auto', 'triton', 'torch', 'reference'")
     if backend == "reference":
         return grouped_gemm_reference(x, w, offsets)
-    if backend == "triton" or (backend == "auto" and triton_runs_on(x)):
+    if use_triton(backend, x):
         from moe_kernels.triton.grouped_gemm_kernels import GroupedGemmFn
 
         return GroupedGemmFn.apply(x, w, offsets)
     if backend == "torch":
         if not torch_grouped_mm_supported(x, w):
-            raise ValueError(f"torch grouped_mm does not support dtype={x.dtype} on device={x.device}")
+            raise ValueError(
+                f"torch grouped_mm does not support x {x.dtype} {tuple(x.shape)} @ w {tuple(w.shape)} on "
+                f"device={x.device}: it needs bf16 on an sm90+ GPU or fp32 on the CPU, and rows whose bytes "
+                "(K and M times the element size) are multiples of 16; use backend='auto' or 'reference'"
+            )
         return grouped_gemm_torch(x, w, offsets)
-    if backend == "auto":
-        if torch_grouped_mm_supported(x, w):
-            return grouped_gemm_torch(x, w, offsets)
-        return grouped_gemm_reference(x, w, offsets)
-    raise ValueError(f"backend={backend!r} is not one of 'auto', 'triton', 'torch', 'reference'")
+    if torch_grouped_mm_supported(x, w):
+        return grouped_gemm_torch(x, w, offsets)
+    return grouped_gemm_reference(x, w, offsets)

@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 
 from moe_kernels.route_map import RouteMap
-from moe_kernels.triton import triton_runs_on
+from moe_kernels.triton import use_triton
 
 RowBackend = Literal["auto", "triton", "torch", "reference"]
 
@@ -15,7 +15,7 @@ RowBackend = Literal["auto", "triton", "torch", "reference"]
 def _use_triton(backend: str, x: torch.Tensor) -> bool:
     if backend not in ("auto", "triton", "torch", "reference"):
         raise ValueError(f"backend={backend!r} is not one of 'auto', 'triton', 'torch', 'reference'")
-    return backend == "triton" or (backend == "auto" and triton_runs_on(x))
+    return use_triton(backend, x)
 
 
 def permute(x: torch.Tensor, route_map: RouteMap, backend: RowBackend = "auto") -> torch.Tensor:
@@ -51,7 +51,8 @@ def combine(
         from moe_kernels.triton.permute_kernels import CombineFn
 
         return CombineFn.apply(expert_out, route_map.dest_row, weights)
-    rows = expert_out.index_select(0, route_map.dest_row).view(route_map.num_tokens, route_map.top_k, -1)
+    d = expert_out.shape[1]
+    rows = expert_out.index_select(0, route_map.dest_row).view(route_map.num_tokens, route_map.top_k, d)
     acc = torch.promote_types(expert_out.dtype, torch.float32)
     out = torch.einsum("tkd,tk->td", rows.to(acc), weights.to(acc))
     return out.to(expert_out.dtype)

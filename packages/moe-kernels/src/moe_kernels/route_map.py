@@ -11,7 +11,7 @@ from typing import Literal
 
 import torch
 
-from moe_kernels.triton import triton_runs_on
+from moe_kernels.triton import use_triton
 
 
 @dataclass(frozen=True)
@@ -57,24 +57,45 @@ class RouteMap:
 RouteMapBackend = Literal["auto", "triton", "torch", "reference"]
 
 
+def _check_ids_on_host(expert_ids: torch.Tensor, num_experts: int) -> None:
+    bad = (expert_ids < 0) | (expert_ids >= num_experts)
+    if bool(bad.any()):
+        t, s = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"expert_ids[{t}, {s}]={int(expert_ids[t, s])} is outside [0, num_experts={num_experts}) "
+            f"({int(bad.sum())} ids out of range in all)"
+        )
+
+
 def build_route_map(expert_ids: torch.Tensor, num_experts: int, backend: RouteMapBackend = "auto") -> RouteMap:
     """Build the route map from top-k expert ids.
 
     expert_ids: [T, k] integer, values in [0, num_experts). Stays on its device; nothing is read back.
     backend: "triton" (histogram, scan and scatter kernels; deterministic), "torch"/"reference"
     (stable sort), "auto" (triton on CUDA when installed, else torch).
+
+    Ids outside [0, num_experts) raise a ValueError naming the first one on the CPU. On a GPU they
+    are checked on the device, without a host read: the triton kernels flag them and a device-side
+    assert fires (torch's own index checks do the same for the torch backend). That assert ends
+    the CUDA context, as any device-side assert does; rerun on the CPU to see which id it was.
     """
     if expert_ids.dim() != 2:
         raise ValueError(f"expert_ids must be [T, k], got shape {tuple(expert_ids.shape)}")
+    if expert_ids.dtype.is_floating_point or expert_ids.dtype.is_complex or expert_ids.dtype == torch.bool:
+        raise ValueError(f"expert_ids must be an integer tensor, got dtype={expert_ids.dtype}")
     if num_experts <= 0:
         raise ValueError(f"num_experts={num_experts} must be positive")
     num_tokens, top_k = expert_ids.shape
     if backend not in ("auto", "triton", "torch", "reference"):
         raise ValueError(f"backend={backend!r} is not one of 'auto', 'triton', 'torch', 'reference'")
-    if backend == "triton" or (backend == "auto" and triton_runs_on(expert_ids)):
+    if expert_ids.device.type == "cpu":
+        _check_ids_on_host(expert_ids, num_experts)
+    if use_triton(backend, expert_ids):
         from moe_kernels.triton.route_map_kernels import route_map_tensors
 
-        counts, offsets, sort_order, dest_row = route_map_tensors(expert_ids, num_experts)
+        counts, offsets, sort_order, dest_row, ids_ok = route_map_tensors(expert_ids, num_experts)
+        if ids_ok.is_cuda:  # on the CPU (interpreter) the host check above has run
+            torch._assert_async(ids_ok, f"build_route_map: an expert id is outside [0, num_experts={num_experts})")
         return RouteMap(num_tokens, top_k, num_experts, counts, offsets, sort_order, dest_row)
     flat = expert_ids.reshape(-1).to(torch.int64)
     device = flat.device

@@ -7,6 +7,7 @@ without triton. The kernel modules import it and are loaded only when a triton b
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -25,3 +26,26 @@ def triton_runs_on(t: torch.Tensor) -> bool:
     """Whether `auto` should pick the triton backend for tensors on this device (CUDA only:
     on the CPU triton runs only under its interpreter, which CI asks for explicitly)."""
     return t.is_cuda and triton_available()
+
+
+def require_triton_on(t: torch.Tensor) -> None:
+    """Raise a clear error when backend="triton" is asked for where its kernels cannot run:
+    triton not installed, or a tensor off CUDA without Triton's CPU interpreter."""
+    if not triton_available():
+        raise ValueError("backend='triton' needs triton installed (pip install triton); use backend='auto' or 'reference'")
+    if t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+        return
+    raise ValueError(
+        f"backend='triton' got a tensor on device={t.device}: the triton kernels run on CUDA devices, or on "
+        "the CPU only under Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported); "
+        "use backend='auto' or 'reference' here"
+    )
+
+
+def use_triton(backend: str, t: torch.Tensor) -> bool:
+    """Whether a call with this backend runs the triton kernels on `t`'s device (one rule for
+    every op): "triton" always (after `require_triton_on`), "auto" on CUDA when installed."""
+    if backend == "triton":
+        require_triton_on(t)
+        return True
+    return backend == "auto" and triton_runs_on(t)

@@ -4,7 +4,9 @@ Rows are the flat (token, slot) indices t*k + s. Each block of rows counts its e
 (histogram); one program turns the [blocks, experts] counts into per-expert offsets and the
 first destination row of every (block, expert) (scan); each block then places its rows,
 stable within an expert (scatter). No atomics, so the result is deterministic, and nothing
-is read back to the host.
+is read back to the host. Ids outside [0, E) are counted per block and reduced to one device
+flag; their rows are left out of the counts and of sort_order, and nothing is written out of
+bounds for them.
 """
 
 from __future__ import annotations
@@ -15,21 +17,32 @@ import triton.language as tl
 
 
 @triton.jit
-def _block_histogram_kernel(ids_ptr, hist_ptr, R, E_P2: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+def _block_histogram_kernel(
+    ids_ptr, hist_ptr, bad_ptr, R, E, E_P2: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr
+):
     b = tl.program_id(0)
     experts = tl.arange(0, E_P2)
     run = tl.zeros([E_P2], dtype=tl.int32)
+    bad = tl.zeros([CHUNK], dtype=tl.int32)
     for c in range(CHUNKS):
         rows = (b * CHUNKS + c) * CHUNK + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + rows, mask=rows < R, other=-1).to(tl.int32)
-        hit = (ids[:, None] == experts[None, :]).to(tl.int32)
+        m = rows < R
+        ids = tl.load(ids_ptr + rows, mask=m, other=0).to(tl.int64)
+        valid = (ids >= 0) & (ids < E)
+        bad += (m & ~valid).to(tl.int32)
+        hit = ((ids[:, None] == experts[None, :]) & (m & valid)[:, None]).to(tl.int32)
         run += tl.sum(hit, axis=0)
     tl.store(hist_ptr + b * E_P2 + experts, run)
+    tl.store(bad_ptr + b, tl.sum(bad, axis=0))
 
 
 @triton.jit
-def _scan_kernel(hist_ptr, base_ptr, counts_ptr, offsets_ptr, NB, E, NB_P2: tl.constexpr, E_P2: tl.constexpr):
+def _scan_kernel(
+    hist_ptr, bad_ptr, base_ptr, counts_ptr, offsets_ptr, ok_ptr, NB, E, NB_P2: tl.constexpr, E_P2: tl.constexpr
+):
     blocks = tl.arange(0, NB_P2)
+    bad = tl.load(bad_ptr + blocks, mask=blocks < NB, other=0)
+    tl.store(ok_ptr, (tl.sum(bad, axis=0) == 0).to(tl.int32))
     experts = tl.arange(0, E_P2)
     idx = blocks[:, None] * E_P2 + experts[None, :]
     bmask = blocks[:, None] < NB
@@ -45,7 +58,7 @@ def _scan_kernel(hist_ptr, base_ptr, counts_ptr, offsets_ptr, NB, E, NB_P2: tl.c
 
 @triton.jit
 def _scatter_kernel(
-    ids_ptr, base_ptr, dest_ptr, order_ptr, R, E_P2: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr
+    ids_ptr, base_ptr, dest_ptr, order_ptr, R, E, E_P2: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr
 ):
     b = tl.program_id(0)
     experts = tl.arange(0, E_P2)
@@ -53,20 +66,23 @@ def _scatter_kernel(
     for c in range(CHUNKS):
         rows = (b * CHUNKS + c) * CHUNK + tl.arange(0, CHUNK)
         m = rows < R
-        ids = tl.load(ids_ptr + rows, mask=m, other=-1).to(tl.int32)
-        hit = (ids[:, None] == experts[None, :]).to(tl.int32)
+        ids = tl.load(ids_ptr + rows, mask=m, other=0).to(tl.int64)
+        valid = m & (ids >= 0) & (ids < E)
+        hit = ((ids[:, None] == experts[None, :]) & valid[:, None]).to(tl.int32)
         rank = tl.cumsum(hit, axis=0) - hit
-        pos = tl.sum(hit * (run[None, :] + rank), axis=1)
+        pos = tl.sum(hit * (run[None, :] + rank), axis=1)  # 0 for an invalid id: stays in bounds
         run += tl.sum(hit, axis=0)
         tl.store(dest_ptr + rows, pos.to(tl.int64), mask=m)
-        tl.store(order_ptr + pos, rows.to(tl.int64), mask=m)
+        tl.store(order_ptr + pos, rows.to(tl.int64), mask=valid)
 
 
 def route_map_tensors(expert_ids: torch.Tensor, num_experts: int):
-    """expert_ids: [T, k] int -> (counts [E] i32, offsets [E] i32, sort_order [T*k] i64, dest_row [T*k] i64).
+    """expert_ids: [T, k] int -> (counts [E] i32, offsets [E] i32, sort_order [T*k] i64,
+    dest_row [T*k] i64, ids_ok [] i32).
 
-    Ids outside [0, num_experts) are not checked (that would need a host read); the reference
-    backend raises on them.
+    ids_ok is 1 when every id is in [0, num_experts), else 0; it stays on the device (the caller
+    asserts on it there). With bad ids the counts cover only the valid rows; sort_order past
+    offsets[-1] and the bad rows' dest_row (0) are meaningless, but every write is in bounds.
     """
     ids = expert_ids.reshape(-1).contiguous()
     R = ids.numel()
@@ -77,15 +93,18 @@ def route_map_tensors(expert_ids: torch.Tensor, num_experts: int):
     chunks = triton.next_power_of_2(max(1, triton.cdiv(R, nb_max * chunk)))
     nb = max(1, triton.cdiv(R, chunk * chunks))
     hist = torch.empty(nb, e_p2, dtype=torch.int32, device=dev)
+    bad = torch.empty(nb, dtype=torch.int32, device=dev)
+    ids_ok = torch.empty((), dtype=torch.int32, device=dev)
     base = torch.empty_like(hist)
     counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
     offsets = torch.empty_like(counts)
     dest_row = torch.empty(R, dtype=torch.int64, device=dev)
     sort_order = torch.empty(R, dtype=torch.int64, device=dev)
     warps = 8 if e_p2 * chunk >= 8192 else 4
-    _block_histogram_kernel[(nb,)](ids, hist, R, E_P2=e_p2, CHUNK=chunk, CHUNKS=chunks, num_warps=warps)
+    E = num_experts
+    _block_histogram_kernel[(nb,)](ids, hist, bad, R, E, E_P2=e_p2, CHUNK=chunk, CHUNKS=chunks, num_warps=warps)
     _scan_kernel[(1,)](
-        hist, base, counts, offsets, nb, num_experts, NB_P2=triton.next_power_of_2(nb), E_P2=e_p2, num_warps=8
+        hist, bad, base, counts, offsets, ids_ok, nb, E, NB_P2=triton.next_power_of_2(nb), E_P2=e_p2, num_warps=8
     )
-    _scatter_kernel[(nb,)](ids, base, dest_row, sort_order, R, E_P2=e_p2, CHUNK=chunk, CHUNKS=chunks, num_warps=warps)
-    return counts, offsets, sort_order, dest_row
+    _scatter_kernel[(nb,)](ids, base, dest_row, sort_order, R, E, E_P2=e_p2, CHUNK=chunk, CHUNKS=chunks, num_warps=warps)
+    return counts, offsets, sort_order, dest_row, ids_ok
