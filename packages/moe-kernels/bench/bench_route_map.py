@@ -27,6 +27,7 @@ def time_us(fn) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--commit", default=None, help="the commit measured (git on the GPU machine may not know it)")
     args = parser.parse_args()
     rows = []
     for T, k, E in CASES:
@@ -40,7 +41,7 @@ def main() -> None:
                    torch_us=time_us(lambda: moe.build_route_map(ids, E, backend="torch")))
         rows.append(row)
         print(row, flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, commit=commit, rows=rows)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
