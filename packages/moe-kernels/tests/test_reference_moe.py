@@ -189,7 +189,7 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
     with pytest.raises(ValueError, match="w_down is torch.bfloat16 on cpu but x is torch.float32"):
         swiglu_experts(x32[rm.source_token], w1, w2.bfloat16(), rm.offsets)
     with pytest.raises(ValueError, match="must share dtype and device"):
-        grouped_gemm(x32, w1.double(), rm.offsets)
+        grouped_gemm(x32[rm.source_token], w1.double(), rm.offsets)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     for call in (
         lambda: build_route_map(ids, 4, backend="triton"),
@@ -199,3 +199,24 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
     ):
         with pytest.raises(ValueError, match=r"backend='triton' (got a tensor on device=cpu|needs triton installed)"):
             call()
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "auto"])
+def test_int64_offsets_are_accepted_and_bad_offsets_are_named(backend):
+    """Offsets built by the caller (e.g. torch.cumsum, which gives int64) work on every backend;
+    offsets that are not cumulative row ends ending at N raise before any GEMM runs."""
+    E, N, K, M = 4, 11, 8, 16
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(N, K, generator=g), torch.randn(E, K, M, generator=g)
+    offs64 = torch.cumsum(torch.tensor([3, 0, 6, 2]), 0)
+    assert offs64.dtype == torch.int64
+    torch.testing.assert_close(grouped_gemm(x, w, offs64, backend), grouped_gemm_reference(x, w, offs64.int()))
+    w2 = torch.randn(E, M // 2, K, generator=g)
+    torch.testing.assert_close(
+        swiglu_experts(x, w, w2, offs64, backend), swiglu_experts(x, w, w2, offs64.int(), "reference")
+    )
+    for bad in ([3, 2, 9, 11], [3, 3, 9, 10]):
+        with pytest.raises(ValueError, match=r"must be non-decreasing cumulative row ends from 0 that end at the number of rows, 11"):
+            grouped_gemm(x, w, torch.tensor(bad, dtype=torch.int32), backend)
+    with pytest.raises(ValueError, match="offsets must be int32 .* got dtype=torch.float32"):
+        grouped_gemm(x, w, offs64.float(), backend)

@@ -15,20 +15,18 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from moe_kernels.grouped_gemm import GemmBackend, grouped_gemm, torch_grouped_mm_supported
+from moe_kernels.grouped_gemm import GemmBackend, checked_offsets, grouped_gemm, torch_grouped_mm_supported
 from moe_kernels.permute import combine, permute
 from moe_kernels.route_map import RouteMap
 from moe_kernels.triton import use_triton
 
 
-def _check_weights(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, offsets: torch.Tensor) -> None:
+def _check_weights(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
     E, d, two_h = w_gate_up.shape
     if two_h % 2 or tuple(w_down.shape) != (E, two_h // 2, d):
         raise ValueError(f"w_gate_up {tuple(w_gate_up.shape)} and w_down {tuple(w_down.shape)} are not [E, d, 2h], [E, h, d]")
     if x.shape[-1] != d:
         raise ValueError(f"x has d={x.shape[-1]} but w_gate_up has d={d}")
-    if offsets.shape != (E,):
-        raise ValueError(f"offsets shape {tuple(offsets.shape)} != (num_experts,)=({E},)")
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
         if w.dtype != x.dtype or w.device != x.device:
             raise ValueError(
@@ -48,7 +46,8 @@ def swiglu_experts(
 
     x_sorted: [N, d]; w_gate_up: [E, d, 2h] (gate then up); w_down: [E, h, d]; offsets: [E] int32 -> [N, d].
     """
-    _check_weights(x_sorted, w_gate_up, w_down, offsets)
+    _check_weights(x_sorted, w_gate_up, w_down)
+    offsets = checked_offsets(offsets, x_sorted.shape[0], w_gate_up.shape[0])
     plan = _plan(backend, x_sorted, w_gate_up, w_down, offsets)
     if plan is not None:
         from moe_kernels.triton.ffn_kernels import swiglu_ffn_sorted
@@ -73,7 +72,9 @@ def moe_ffn(
     Same result as combine(swiglu_experts(permute(x, rm), ...), rm, weights); autograd flows to
     x, weights, w_gate_up and w_down.
     """
-    _check_weights(x, w_gate_up, w_down, route_map.offsets)
+    _check_weights(x, w_gate_up, w_down)
+    if route_map.num_experts != w_gate_up.shape[0]:
+        raise ValueError(f"the route map has {route_map.num_experts} experts but w_gate_up has {w_gate_up.shape[0]}")
     if x.shape[0] != route_map.num_tokens or tuple(weights.shape) != (route_map.num_tokens, route_map.top_k):
         raise ValueError(
             f"x {tuple(x.shape)} and weights {tuple(weights.shape)} do not match the route map's "

@@ -14,6 +14,25 @@ from moe_kernels.triton import use_triton
 GemmBackend = Literal["auto", "triton", "torch", "reference"]
 
 
+def checked_offsets(offsets: torch.Tensor, num_rows: int, num_experts: int) -> torch.Tensor:
+    """The offsets as the kernels take them ([E] int32), after the checks that need no host read
+    on a GPU. On the CPU (reading is free there) also: non-decreasing, non-negative, last == num_rows.
+    On a GPU, offsets that do not end at num_rows leave the rows past the last end uncomputed."""
+    if offsets.shape != (num_experts,):
+        raise ValueError(f"offsets shape {tuple(offsets.shape)} != (num_experts,)=({num_experts},)")
+    if offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"offsets must be int32 (or int64) cumulative row ends, got dtype={offsets.dtype}")
+    if offsets.device.type == "cpu" and num_experts > 0:
+        ends = offsets.tolist()
+        steps = [b - a for a, b in zip([0] + ends[:-1], ends)]
+        if min(steps) < 0 or ends[-1] != num_rows:
+            raise ValueError(
+                f"offsets {ends if num_experts <= 16 else ends[:8] + ['...']} must be non-decreasing cumulative "
+                f"row ends from 0 that end at the number of rows, {num_rows}"
+            )
+    return offsets.to(torch.int32)
+
+
 def grouped_gemm_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Per-expert loop. Reads the offsets back to the host: a reference, not a fast path."""
     ends = offsets.tolist()
@@ -68,8 +87,7 @@ def grouped_gemm(
         raise ValueError(f"expected x [N, K] and w [E, K, M], got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.shape[1] != w.shape[1]:
         raise ValueError(f"x has K={x.shape[1]} but w has K={w.shape[1]}")
-    if offsets.shape != (w.shape[0],):
-        raise ValueError(f"offsets shape {tuple(offsets.shape)} != (num_experts,)=({w.shape[0]},)")
+    offsets = checked_offsets(offsets, x.shape[0], w.shape[0])
     if x.dtype != w.dtype or x.device != w.device:
         raise ValueError(f"x ({x.dtype}, {x.device}) and w ({w.dtype}, {w.device}) must share dtype and device")
     if backend not in ("auto", "triton", "torch", "reference"):
