@@ -42,3 +42,31 @@ def test_invalid_layout_raises_a_message_naming_the_value(layout, world, experts
 def test_valid_layouts_pass():
     for dp, ep in ((1, 1), (2, 1), (2, 2), (4, 2), (4, 4)):
         assert ParallelLayout(dp, ep).validate(dp, 8).dp == dp
+
+
+def test_expert_names_of_a_model_that_is_itself_the_moe_layer_match_its_parameter_names():
+    """apply_expert_parallel's shard keys and expert_parameter_names spell names as
+    named_parameters() does, also for a root MoE layer (no leading dot)."""
+    import torch
+    from torch import nn
+
+    from moe_kernels import LocalDispatcher
+    from moe_parallel import ParallelGroups, apply_expert_parallel, expert_parameter_names
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(4, 3, 2))
+            self.inner = nn.Linear(2, 3)  # weight [3, 2]: not one row per expert
+
+    layer = nn.Module()
+    layer.num_experts, layer.experts, layer.dispatcher = 4, Experts(), LocalDispatcher(4)
+    layer.router = nn.Linear(3, 4)
+    layout = ParallelLayout()
+    groups = ParallelGroups(layout, layout.coords(0), None, None, None, None, None)
+    with pytest.raises(ValueError, match=r"experts.inner.weight has shape \(3, 2\), expected num_experts=4 rows"):
+        apply_expert_parallel(layer, groups)
+    del layer.experts.inner
+    shards = apply_expert_parallel(layer, groups)
+    names = {n for n, _ in layer.named_parameters()}
+    assert set(shards) == expert_parameter_names(layer) == {"experts.w"} and set(shards) <= names

@@ -37,6 +37,7 @@ def test_overrides_and_yaml_are_typed_and_applied(tmp_path):
     (["--train.steps=abc"], "train.steps='abc': expected an integer"),
     (["--parallel.ep=3"], "parallel.ep=3: expected a divisor of model.num_experts=8"),
     (["--model.router.gating=relu"], "model.router.gating='relu': expected one of softmax, sigmoid"),
+    (["--parallel.collective_timeout_s=0"], "parallel.collective_timeout_s=0.0: expected a positive number of seconds"),
 ])
 def test_bad_config_names_the_field(overrides, message):
     with pytest.raises(ConfigError) as e:

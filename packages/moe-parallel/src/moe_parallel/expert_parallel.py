@@ -32,12 +32,16 @@ def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
+def _experts_prefix(layer_name: str) -> str:
+    return f"{layer_name}.experts." if layer_name else "experts."
+
+
 def expert_parameter_names(model: nn.Module) -> set[str]:
-    """Full names of every routed-expert parameter (replicated over expert DP, not dense DP)."""
+    """Full names of every routed-expert parameter (replicated over expert DP, not dense DP),
+    as model.named_parameters() spells them."""
     names = set()
     for layer_name, layer in moe_layers(model):
-        prefix = f"{layer_name}.experts." if layer_name else "experts."
-        names.update(prefix + n for n, _ in layer.experts.named_parameters())
+        names.update(_experts_prefix(layer_name) + n for n, _ in layer.experts.named_parameters())
     return names
 
 
@@ -58,13 +62,16 @@ def apply_expert_parallel(model: nn.Module, groups: ParallelGroups, capacity_fac
         if e % ep != 0:
             raise ValueError(f"{layer_name}: num_experts={e} is not divisible by ep={ep}")
         e_local = e // ep
-        for pname, p in list(layer.experts.named_parameters(recurse=False)):
-            if p.shape[0] != e:
-                raise ValueError(f"{layer_name}.experts.{pname} has {p.shape[0]} rows, expected num_experts={e}")
-            shards[f"{layer_name}.experts.{pname}"] = ExpertShard(tuple(p.shape), ep_rank * e_local)
+        for pname, p in list(layer.experts.named_parameters()):
+            full_name = _experts_prefix(layer_name) + pname
+            if p.dim() == 0 or p.shape[0] != e:
+                raise ValueError(f"{full_name} has shape {tuple(p.shape)}, expected num_experts={e} rows (one per expert)")
+            shards[full_name] = ExpertShard(tuple(p.shape), ep_rank * e_local)
             if ep > 1:
+                owner_path, _, leaf = pname.rpartition(".")
+                owner = layer.experts.get_submodule(owner_path) if owner_path else layer.experts
                 local = p[ep_rank * e_local : (ep_rank + 1) * e_local].clone()
-                setattr(layer.experts, pname, nn.Parameter(local, requires_grad=p.requires_grad))
+                setattr(owner, leaf, nn.Parameter(local, requires_grad=p.requires_grad))
         if ep > 1 or capacity_factor > 0:  # capacity is a property of the all-to-all transport
             layer.dispatcher = AllToAllDispatcher(groups.ep, e, capacity_factor)
     return shards

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -33,10 +34,11 @@ class ParallelGroups:
         return self.coords.rank
 
 
-def build_groups(layout: ParallelLayout, num_experts: int) -> ParallelGroups:
+def build_groups(layout: ParallelLayout, num_experts: int, timeout: timedelta | None = None) -> ParallelGroups:
     """Create every group of `layout` with torch.distributed.new_group; call on every rank.
 
     The default process group must be initialised with world_size == layout.world_size.
+    timeout: how long a collective on these groups may wait before it fails (torch's default when None).
     new_group is collective over the world, so every rank creates every group in the same order
     and keeps the ones that contain it.
     """
@@ -51,7 +53,7 @@ def build_groups(layout: ParallelLayout, num_experts: int) -> ParallelGroups:
         ("pp", layout.pp_groups()),
     ):
         for ranks in rank_lists:
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
             if coords.rank in ranks:
                 mine[kind] = group
     return ParallelGroups(layout, coords, mine["dp"], mine["ep"], mine["edp"], mine["pp"], dist.group.WORLD)

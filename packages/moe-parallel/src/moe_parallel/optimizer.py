@@ -53,6 +53,11 @@ class DistributedAdamW:
     """AdamW over FlatParams groups; world: the group spanning every rank (for the global norm)."""
 
     def __init__(self, flats: list[FlatParams], cfg: AdamWConfig, world: dist.ProcessGroup | None = None):
+        if world is None and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(
+                f"DistributedAdamW needs world= (e.g. groups.world) in a job of {dist.get_world_size()} ranks: "
+                "the global gradient norm, the clipping and the skip of a non-finite step must span every rank"
+            )
         self.flats = flats
         self.cfg = cfg
         self.world = world

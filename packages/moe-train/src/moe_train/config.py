@@ -111,6 +111,7 @@ class ParallelConfig:
     fp32_grad_accum: bool = True
     param_dtype: str = "fp32"  # resident model weights: fp32 | bf16 (fp32 masters live in the optimizer)
     expert_capacity_factor: float = 0.0  # 0 = dropless
+    collective_timeout_s: float = 1800.0  # a collective that waits longer fails (every process group)
 
 
 @dataclass
@@ -175,6 +176,7 @@ def validate(cfg: Config) -> Config:
     for name in ("dp", "ep", "pp"):
         _check(getattr(p, name) >= 1, f"parallel.{name}", getattr(p, name), "a positive integer")
     _choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
+    _check(p.collective_timeout_s > 0, "parallel.collective_timeout_s", p.collective_timeout_s, "a positive number of seconds")
     _choice("parallel.strategy", p.strategy, ("ddp", "fsdp"))
     _choice("parallel.param_dtype", p.param_dtype, ("fp32", "bf16"))
     if p.strategy == "fsdp":

@@ -7,6 +7,7 @@ below it receives plain values and process-group objects.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -44,10 +45,11 @@ def make_runtime(cfg: Config, device: torch.device) -> Runtime:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     backend = p.backend if p.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    timeout = timedelta(seconds=p.collective_timeout_s)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # a world of 1 launched without torchrun
         os.environ.setdefault("MASTER_PORT", "29500")
-        dist.init_process_group(backend, rank=rank, world_size=world)
-    groups = build_groups(layout, cfg.model.num_experts)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    groups = build_groups(layout, cfg.model.num_experts, timeout=timeout)
     param_dtype = torch.bfloat16 if p.param_dtype == "bf16" else None
     return DistributedRuntime(cfg, device, groups, param_dtype=param_dtype)
