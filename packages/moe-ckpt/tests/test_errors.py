@@ -143,3 +143,21 @@ def test_verify_checkpoint_checks_every_file_once(tmp_path):
 
     with pytest.raises(ChecksumMismatchError, match="corrupt"):
         verify_checkpoint(path)
+
+
+@pytest.mark.parametrize("name", ["index.json", "metadata.json"])
+def test_damaged_json_is_a_checkpoint_error_naming_the_file(ck2, name):
+    from moe_ckpt import CorruptMetadataError, load_metadata
+
+    f = ck2 / name
+    f.write_bytes(f.read_bytes()[:50])
+    with pytest.raises(CorruptMetadataError, match=rf"{name} is damaged \(JSONDecodeError"):
+        load_metadata(ck2)
+
+
+def test_missing_metadata_is_an_incomplete_checkpoint(ck2):
+    from moe_ckpt import load_metadata
+
+    (ck2 / "metadata.json").unlink()
+    with pytest.raises(IncompleteCheckpointError, match="has no metadata.json"):
+        load_metadata(ck2)

@@ -145,3 +145,15 @@ def test_retention_keeps_the_last_n_and_latest_points_at_the_newest(tmp_path):
 
 def test_find_latest_of_an_empty_run_is_none(tmp_path):
     assert find_latest(tmp_path) is None and find_latest(tmp_path / "absent") is None
+
+
+def test_a_pointer_left_behind_by_a_crash_yields_to_the_newer_complete_checkpoint(tmp_path):
+    """A crash between a checkpoint's rename and the pointer update leaves `latest` one behind:
+    the newer committed checkpoint is the one to resume from (not a retrain over it)."""
+    state = make_state()
+    for step in (4, 8):
+        save_checkpoint(step_dir(tmp_path, step), shards_for(state, 0, 1), {"step": step})
+    (tmp_path / "latest").write_text("step-00000004\n")
+    assert find_latest(tmp_path) == step_dir(tmp_path, 8)
+    (step_dir(tmp_path, 8) / "index.json").unlink()  # no longer complete: the pointer's target stands
+    assert find_latest(tmp_path) == step_dir(tmp_path, 4)

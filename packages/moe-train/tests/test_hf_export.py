@@ -145,3 +145,27 @@ def test_missing_source_tensor_and_wrong_shape_are_named(tmp_path):
     bad["blocks.0.attn.q_proj.weight"] = torch.zeros(3, 3)
     with pytest.raises(HFConversionError, match=r"blocks.0.attn.q_proj.weight has shape \[3, 3\], expected \[48, 48\]"):
         export_hf_folder(m, bad, tmp_path)
+
+
+def test_a_failed_export_leaves_the_previous_one_intact_and_foreign_folders_are_refused(tmp_path):
+    """The folder is written under a temporary name and renamed at the end: a failure midway
+    (here a tensor missing from the source) leaves the previous export loadable; a folder with
+    files that are not an export of ours is refused before anything is written."""
+    model = make_model()
+    out = tmp_path / "hf"
+    export(model, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    partial = dict(model.state_dict())
+    partial.pop(sorted(k for k in partial if "experts" in k)[-1])
+    with pytest.raises(HFConversionError, match="tensor source has no tensor"):
+        export_hf_folder(dataclasses.asdict(model.cfg), partial, out, dtype="fp32")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temporary folder left behind
+    export(make_model(seed=1), out)  # a previous export of ours is replaced whole
+    assert (out / "model.safetensors").read_bytes() != before["model.safetensors"]
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(HFConversionError, match=r"holds files that are not a Hugging Face export of ours \(notes.txt\)"):
+        export(model, out)
+    assert (out / "notes.txt").read_text() == "mine"
+    with pytest.raises(HFConversionError, match="is a file"):
+        export(model, out / "notes.txt")

@@ -9,6 +9,7 @@ from moe_ckpt.async_save import AsyncCheckpointer, SaveStats
 from moe_ckpt.errors import (
     CheckpointError,
     ChecksumMismatchError,
+    CorruptMetadataError,
     DtypeMismatchError,
     IncompleteCheckpointError,
     LayoutError,
@@ -30,6 +31,7 @@ __all__ = [
     "Box",
     "CheckpointError",
     "ChecksumMismatchError",
+    "CorruptMetadataError",
     "DtypeMismatchError",
     "FlatRange",
     "IncompleteCheckpointError",

@@ -7,6 +7,10 @@ class CheckpointError(Exception):
     """Base class: the checkpoint (or the request against it) is not what was expected."""
 
 
+class CorruptMetadataError(CheckpointError):
+    """index.json or metadata.json is not the JSON the writer left (truncated, edited, damaged)."""
+
+
 class IncompleteCheckpointError(CheckpointError):
     """The directory is not a committed checkpoint (no index.json, or a `.tmp` leftover)."""
 

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_ckpt.errors import CheckpointError, IncompleteCheckpointError, LayoutError
+from moe_ckpt.errors import CheckpointError, CorruptMetadataError, IncompleteCheckpointError, LayoutError
 from moe_ckpt.geometry import Box, Region, as_boxes, describe, intersect, region_from_json
 from moe_ckpt.run_dir import INDEX, TMP_MARK
 
@@ -80,6 +80,8 @@ def read_index(path: Path) -> Index:
             return Index.from_json(json.load(f))
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{path} has no {INDEX}: not a committed checkpoint") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
+        raise CorruptMetadataError(f"{path / INDEX} is damaged ({type(e).__name__}: {e}); the checkpoint cannot be read") from None
 
 
 def build_index(manifests: list[dict], world_size: int, algorithm: str) -> Index:

@@ -19,6 +19,8 @@ from safetensors import safe_open
 
 from moe_ckpt.errors import (
     ChecksumMismatchError,
+    CorruptMetadataError,
+    IncompleteCheckpointError,
     DtypeMismatchError,
     MissingShardFileError,
     ShapeMismatchError,
@@ -46,8 +48,13 @@ def load_metadata(path: str | Path) -> dict:
     """The JSON metadata blob of a committed checkpoint (step, schedules, RNG, config, layout)."""
     path = resolve(path)
     read_index(path)  # refuses partial checkpoints
-    with open(path / METADATA) as f:
-        return json.load(f)
+    try:
+        with open(path / METADATA) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(f"{path} has no {METADATA}: the checkpoint is incomplete") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptMetadataError(f"{path / METADATA} is damaged ({type(e).__name__}: {e})") from None
 
 
 def load_checkpoint(

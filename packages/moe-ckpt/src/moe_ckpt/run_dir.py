@@ -64,15 +64,16 @@ def read_latest(root: Path) -> Path | None:
 def find_latest(root: str | Path) -> Path | None:
     """Resolve a run directory to its latest committed checkpoint, or None if it has none.
 
-    Follows `latest` when it names a committed checkpoint; otherwise (pointer absent,
-    or its target deleted by hand) falls back to the last committed one by name.
+    The newest committed checkpoint by name. `latest` names it after every save, but a crash
+    between a checkpoint's rename into place and the pointer update leaves the pointer one
+    behind: the newer complete checkpoint wins (to roll back, move newer checkpoints away).
     Partial `.tmp` directories are never returned.
     """
     root = Path(root)
-    target = read_latest(root)
-    if target is not None and is_complete(target):
-        return target
     found = list_checkpoints(root)
+    target = read_latest(root)
+    if target is not None and is_complete(target) and (not found or _natural_key(target.name) >= _natural_key(found[-1].name)):
+        return target
     return found[-1] if found else None
 
 

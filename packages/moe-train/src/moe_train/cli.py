@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             _cmd_info(cfg)
         else:
             _cmd_bench(cfg, args)
-    except (ConfigError, FileNotFoundError, CheckpointError) as e:
+    except (ConfigError, FileNotFoundError, FileExistsError, NotADirectoryError, CheckpointError) as e:
         print(f"moe-train: error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:

@@ -8,8 +8,10 @@ is read, so at most one shard (in the output dtype) plus the tensor being conver
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +81,10 @@ def export_hf_folder(
 
     model_config: moe-train's Config.to_dict()["model"]; source: our global tensors by our names.
     extra_config: max_position_embeddings / bos_token_id / eos_token_id / pad_token_id for config.json.
+
+    The folder is written whole under a temporary name beside out_dir and renamed into place at
+    the end: a failure leaves out_dir as it was. An existing out_dir is replaced only when it is
+    empty or holds nothing but a previous export's files; anything else is refused up front.
     """
     if dtype not in DTYPES:
         raise HFConversionError(f"dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
@@ -88,11 +94,52 @@ def export_hf_folder(
     plan = build_plan(model_config, model_type)
     shard_of, total = _assign_shards(plan, dtype, max_shard_bytes)
     n_shards = shard_of[-1] + 1
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("model*.safetensors*"):
-        stale.unlink()
+    final = Path(out_dir)
+    _check_replaceable(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    out = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    out.mkdir()
+    try:
+        num_tensors = _write_folder(out, plan, shard_of, n_shards, total, source, dtype, hf_config, tokenizer_json)
+        _replace(final, out)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    return ExportSummary(final, ARCH[model_type], num_tensors, total, n_shards, time.perf_counter() - start)
 
+
+_EXPORT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "model.safetensors", "model.safetensors.index.json")
+
+
+def _is_export_file(name: str) -> bool:
+    return name in _EXPORT_FILES or (name.startswith("model-") and name.endswith(".safetensors"))
+
+
+def _check_replaceable(final: Path) -> None:
+    if not final.exists():
+        return
+    if not final.is_dir():
+        raise HFConversionError(f"out_dir={str(final)!r} is a file; expected a folder to write the export into")
+    foreign = sorted(p.name for p in final.iterdir() if not (p.is_file() and _is_export_file(p.name)))
+    if foreign:
+        raise HFConversionError(
+            f"out_dir={str(final)!r} holds files that are not a Hugging Face export of ours "
+            f"({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); export into an empty or new folder"
+        )
+
+
+def _replace(final: Path, new: Path) -> None:
+    """Rename `new` to `final`; a previous export at `final` is moved aside first and deleted after."""
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(final, old)
+    os.rename(new, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_folder(out, plan, shard_of, n_shards, total, source, dtype, hf_config, tokenizer_json) -> int:
     get, weight_map, pending, current, k = tensor_getter(source), {}, {}, 0, 0
     for entry in plan:
         ours = None
@@ -118,7 +165,7 @@ def export_hf_folder(
     _write_generation_config(out, hf_config)
     if tokenizer_json is not None:
         write_tokenizer(out, tokenizer_json, hf_config)
-    return ExportSummary(out, ARCH[model_type], len(weight_map), total, n_shards, time.perf_counter() - start)
+    return len(weight_map)
 
 
 def _write_shard(out: Path, tensors: dict[str, torch.Tensor], i: int, n: int) -> None:

@@ -6,6 +6,7 @@ written under a temporary name and renamed when complete; `latest` names the new
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from moe_ckpt import (
     AsyncCheckpointer, Box, FlatRange, LoadRequest, ShardSpec, find_latest, load_checkpoint, load_metadata,
     save_checkpoint, step_dir,
 )
+from moe_train.config import Config, ConfigError
 from moe_train.trainer.runtime import CheckpointShard, Runtime, Slice
 
 
@@ -55,6 +57,38 @@ def save(run_dir: str | Path, step: int, runtime: Runtime, model: nn.Module, met
     else:
         save_checkpoint(path, specs, metadata, runtime.rank, runtime.world_size, barrier, keep_last_n=keep_last)
     return path
+
+
+def check_same_model(path: Path, cfg: Config) -> None:
+    """Refuse to resume a checkpoint written for another model or sequence length: tensors of
+    the same shapes would load silently into a different network (fewer layers, tied
+    embeddings, another router)."""
+    saved = load_metadata(path).get("config", {})
+    want = cfg.to_dict()
+    diffs = [f"model.{k}: checkpoint {v!r}, this run {want['model'].get(k)!r}"
+             for k, v in sorted(saved.get("model", {}).items()) if want["model"].get(k) != v]
+    saved_seq = saved.get("data", {}).get("seq_len")
+    if saved_seq is not None and saved_seq != cfg.data.seq_len:
+        diffs.append(f"data.seq_len: checkpoint {saved_seq}, this run {cfg.data.seq_len}")
+    if diffs:
+        raise ConfigError(f"{path} was written for another configuration ({'; '.join(diffs)}); "
+                          "use the checkpoint's settings or a new train.run_dir")
+
+
+def check_no_checkpoints_after(run_dir: str | Path, start_step: int, resume: bool) -> None:
+    """Refuse to start when a checkpoint folder past `start_step` exists: the run would train up
+    to it and then fail to save over it (an incomplete folder left by hand, or --no-resume on a
+    run that has checkpoints)."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return
+    later = sorted(p.name for p in root.iterdir()
+                   if (m := re.fullmatch(r"step-(\d+)", p.name)) and int(m.group(1)) > start_step)
+    if later:
+        why = (f"this run resumes from step {start_step}" if resume and start_step > 0
+               else "this run starts from step 0 (no resume)" if not resume else "no complete checkpoint was found")
+        raise ConfigError(f"train.run_dir={run_dir}: {root}/{later[0]} exists but {why}; the run would have to "
+                          f"write over {', '.join(later)}. Move those folders away or use a new train.run_dir")
 
 
 def latest(run_dir: str | Path) -> Path | None:

@@ -139,11 +139,17 @@ class Trainer:
                          self.cfg.train.keep_last, self.async_saver, self.save_barrier)
 
     def maybe_resume(self) -> Path | None:
-        """Load the run's latest checkpoint when resuming is on; returns its path, or None."""
+        """Load the run's latest checkpoint when resuming is on; returns its path, or None.
+
+        Refused, before any step runs: a checkpoint of another model (or sequence length), and
+        checkpoint folders past the step this run starts from (it would have to write over them)."""
         path = ckpt.latest(self.run_dir) if self.cfg.train.resume else None
         if path is None:
+            ckpt.check_no_checkpoints_after(self.run_dir, 0, self.cfg.train.resume)
             return None
+        ckpt.check_same_model(path, self.cfg)
         meta = ckpt.load(path, self.runtime, self.model)
+        ckpt.check_no_checkpoints_after(self.run_dir, int(meta["step"]), True)
         self.step = int(meta["step"])
         self.skipped_steps = int(meta["skipped_steps"])
         self.sampler.load_state_dict(meta["sampler"])
