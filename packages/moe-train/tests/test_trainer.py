@@ -112,3 +112,17 @@ def test_tied_embeddings_are_saved_once_and_resume(tmp_path, data_dir, make_conf
     trainer = Trainer(cfg)
     assert trainer.train()["step"] == 3
     assert trainer.model.lm_head.weight is trainer.model.embed.weight
+
+
+def test_training_in_an_import_hf_folder_is_refused(tmp_path, data_dir, make_config):
+    """Training does not start from imported weights: a run there would silently begin from a random init."""
+    from moe_train.config import ConfigError
+
+    cfg = make_config(tmp_path, steps=1, eval_interval=0, save_interval=0)
+    cfg.data.path = str(data_dir)
+    run = Path(cfg.train.run_dir)
+    run.mkdir(parents=True)
+    (run / "model.safetensors").write_bytes(b"")
+    (run / "hf_extra.json").write_text("{}")
+    with pytest.raises(ConfigError, match="holds an import-hf output"):
+        Trainer(cfg).train()

@@ -34,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--push-to-hub", default=None, metavar="REPO", help="also upload the folder to this Hub repo")
     s.add_argument("--allow-benchmark-routing", action="store_true",
                    help="export a random/uniform-routed model's router as a learned one")
-    s = sub.add_parser("import-hf", help="import a Hugging Face folder into our checkpoint format")
+    s = sub.add_parser("import-hf", help="convert a Hugging Face folder to our config.json and our-named model.safetensors "
+                           "(export-hf and moe_ckpt.hf read it; training does not start from it yet)")
     s.add_argument("folder")
     s.add_argument("out")
     s = sub.add_parser("inspect", help="list a checkpoint's tensors, shapes and the layout that wrote it")

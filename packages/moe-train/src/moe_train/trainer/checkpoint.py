@@ -75,6 +75,16 @@ def check_same_model(path: Path, cfg: Config) -> None:
                           "use the checkpoint's settings or a new train.run_dir")
 
 
+def check_not_an_import(run_dir: str | Path) -> None:
+    """An `import-hf` output holds weights the trainer does not start from (yet): training there
+    would silently begin from a random init, so it is refused."""
+    run = Path(run_dir)
+    if (run / "model.safetensors").is_file() and (run / "hf_extra.json").is_file():
+        raise ConfigError(f"train.run_dir={run_dir} holds an import-hf output (model.safetensors, hf_extra.json): "
+                          "training does not start from imported weights yet and would begin from a random init; "
+                          "use another train.run_dir")
+
+
 def check_no_checkpoints_after(run_dir: str | Path, start_step: int, resume: bool) -> None:
     """Refuse to start when a checkpoint folder past `start_step` exists: the run would train up
     to it and then fail to save over it (an incomplete folder left by hand, or --no-resume on a

@@ -145,6 +145,7 @@ class Trainer:
         checkpoint folders past the step this run starts from (it would have to write over them)."""
         path = ckpt.latest(self.run_dir) if self.cfg.train.resume else None
         if path is None:
+            ckpt.check_not_an_import(self.run_dir)
             ckpt.check_no_checkpoints_after(self.run_dir, 0, self.cfg.train.resume)
             return None
         ckpt.check_same_model(path, self.cfg)
