@@ -33,3 +33,25 @@ def test_export_hf_of_a_trained_run_matches_its_model(tmp_path, data_dir, make_c
         theirs = hf(tokens).logits
     assert (ours - theirs).abs().max() < 1e-4
     assert (out / "tokenizer.json").is_file()  # the data folder's tokenizer travels with the export
+
+
+def test_export_without_a_findable_tokenizer_warns(tmp_path, data_dir, make_config):
+    """The tokenizer is found through the run's data.path; when that folder is not there (moved,
+    or a relative path taken from another directory) the export says it has no tokenizer."""
+    import json
+
+    from moe_ckpt import find_latest
+    from moe_train.hf_bridge import export_hf
+
+    cfg = make_config(tmp_path, steps=1, eval_interval=0, save_interval=1)
+    cfg.data.path = str(data_dir)
+    cfg.model.shared_expert_hidden = 0
+    cfg.model.router.expert_bias = False
+    Trainer(cfg).train()
+    meta_file = find_latest(tmp_path / "run" / "checkpoints") / "metadata.json"
+    meta = json.loads(meta_file.read_text())
+    meta["config"]["data"]["path"] = str(tmp_path / "moved-away")
+    meta_file.write_text(json.dumps(meta))
+    with pytest.warns(UserWarning, match="no tokenizer found for data.path=.*moved-away"):
+        export_hf(tmp_path / "run", tmp_path / "hf", dtype="fp32")
+    assert not (tmp_path / "hf" / "tokenizer.json").exists()

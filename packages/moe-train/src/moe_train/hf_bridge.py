@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -135,6 +137,11 @@ def export_hf(
         model_dict = cfg.to_dict()["model"]
         data_tok, extra = _data_tokenizer(cfg)
         tokenizer_json = tokenizer_json or data_tok
+        if tokenizer_json is None:
+            warnings.warn(
+                f"export of {str(source)!r}: no tokenizer found for data.path={cfg.data.path!r} "
+                f"(data.cache_dir={cfg.data.cache_dir!r}, relative paths taken from {os.getcwd()}); the folder gets "
+                "no tokenizer.json: run from the training directory or pass tokenizer_json=", stacklevel=2)
         extra_file = _resolve_checkpoint(Path(source)) / HF_EXTRA_FILE
         if extra_file.is_file():
             extra.update(json.loads(extra_file.read_text()))
