@@ -56,3 +56,21 @@ def test_prepare_with_a_given_tokenizer(tmp_path, data_dir):
     out = prepare_data(["def f():\n    return 1\n"] * 5, tmp_path / "d2", tokenizer_path=str(data_dir / "tokenizer.json"))
     meta, _ = open_data(out, 512)
     assert meta["vocab_size"] == 512
+
+
+def test_prepare_refuses_to_replace_a_folder_that_is_not_a_data_folder(tmp_path, data_dir):
+    """--out replaces its target whole: only a new folder or an earlier data folder may be it."""
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.txt").write_text("keep")
+    docs = ["def f():\n    return 1\n"] * 5
+    with pytest.raises(DataError, match="exists and is not a data folder"):
+        prepare_data(docs, precious, tokenizer_path=str(data_dir / "tokenizer.json"))
+    assert (precious / "thesis.txt").read_text() == "keep"
+    out = prepare_data(docs, tmp_path / "d", tokenizer_path=str(data_dir / "tokenizer.json"))
+    prepare_data(docs * 2, out, tokenizer_path=str(data_dir / "tokenizer.json"))  # an earlier data folder: replaced
+    with pytest.raises(DataError, match="no documents"):
+        prepare_data([], tmp_path / "e")
+    with pytest.raises(FileNotFoundError):
+        prepare_data(docs, tmp_path / "f", tokenizer_path=str(tmp_path / "missing.json"))
+    assert not [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]  # nothing half-written left behind

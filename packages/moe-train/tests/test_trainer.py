@@ -79,6 +79,10 @@ def test_resume_into_a_different_model_names_the_fields(tmp_path, data_dir, make
         setattr(changed.model, field, value)
         with pytest.raises(ConfigError, match=rf"model.{field}: checkpoint {before!r}, this run {value!r}"):
             Trainer(changed).train()
+    tuned = copy.deepcopy(cfg)  # kernels and loss weights are not the network: resuming with them changed is fine
+    tuned.model.gemm_backend = "reference"
+    tuned.model.router.lb_loss_weight = 0.02
+    assert Trainer(tuned).train()["step"] == 2
 
 
 def test_checkpoints_past_the_start_step_are_refused_before_training(tmp_path, data_dir, make_config):
@@ -93,6 +97,8 @@ def test_checkpoints_past_the_start_step_are_refused_before_training(tmp_path, d
     fresh.train.resume = False
     with pytest.raises(ConfigError, match=r"step-00000001 exists but this run starts from step 0 \(no resume\)"):
         Trainer(fresh).train()
+    fresh.train.save_interval = 0  # a run that saves nothing writes over nothing
+    assert Trainer(fresh).train()["step"] == 2
     (Path(cfg.train.run_dir) / "checkpoints" / "step-00000003").mkdir()  # incomplete: no index.json
     cfg.train.steps = 4
     with pytest.raises(ConfigError, match=r"step-00000003 exists but this run resumes from step 2"):
@@ -125,4 +131,16 @@ def test_training_in_an_import_hf_folder_is_refused(tmp_path, data_dir, make_con
     (run / "model.safetensors").write_bytes(b"")
     (run / "hf_extra.json").write_text("{}")
     with pytest.raises(ConfigError, match="holds an import-hf output"):
+        Trainer(cfg).train()
+
+
+def test_an_eval_split_shorter_than_one_window_is_a_data_error(tmp_path, data_dir, make_config):
+    """It used to report eval loss 0.0 (an empty list of eval batches)."""
+    from moe_train.data import DataError
+
+    cfg = make_config(tmp_path, steps=1, eval_interval=1, save_interval=0)
+    cfg.data.path = str(data_dir)
+    meta = json.loads((data_dir / "meta.json").read_text())
+    cfg.data.seq_len = meta["splits"]["eval"]["num_tokens"]  # one token short of a window
+    with pytest.raises(DataError, match="the eval split has .* fewer than one window"):
         Trainer(cfg).train()

@@ -12,7 +12,7 @@ import numpy as np
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from moe_train.data.token_file import FORMAT, write_meta, write_split
+from moe_train.data.token_file import FORMAT, DataError, write_meta, write_split
 
 EOS = "<|endoftext|>"
 EVAL_BLOCK_TOKENS = 2048
@@ -46,17 +46,8 @@ def train_bpe(docs: Iterable[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
-def prepare_data(
-    docs: list[str], out: str | Path, vocab_size: int = 4096, tokenizer_path: str | None = None,
-    eval_fraction: float = 0.02, source: str = "",
-) -> Path:
-    """Write a data folder at `out` (built in a temporary folder, then renamed). Returns its path."""
-    out = Path(out)
-    if not docs:
-        raise ValueError("no documents to tokenize")
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+def _build(docs: list[str], tmp: Path, vocab_size: int, tokenizer_path: str | None, eval_fraction: float,
+           source: str) -> None:
     if tokenizer_path:
         if not Path(tokenizer_path).is_file():
             raise FileNotFoundError(f"tokenizer {tokenizer_path!r} does not exist")
@@ -80,6 +71,27 @@ def prepare_data(
         "splits": {"train": {"num_tokens": n_train, "num_docs": d_train},
                    "eval": {"num_tokens": n_eval, "num_docs": d_eval}},
     })
+
+
+def prepare_data(
+    docs: list[str], out: str | Path, vocab_size: int = 4096, tokenizer_path: str | None = None,
+    eval_fraction: float = 0.02, source: str = "",
+) -> Path:
+    """Write a data folder at `out` (built in a temporary folder, then renamed). Returns its path."""
+    out = Path(out)
+    if out.exists() and not (out.is_dir() and (out / "meta.json").is_file()):
+        raise DataError(f"--out {str(out)!r} exists and is not a data folder (no meta.json): prepare-data replaces "
+                        "its output whole, so it only writes a new folder or over an earlier data folder")
+    if not docs:
+        raise DataError("no documents to tokenize (expected .txt, .md or .py files with text)")
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        _build(docs, tmp, vocab_size, tokenizer_path, eval_fraction, source)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
+        raise
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

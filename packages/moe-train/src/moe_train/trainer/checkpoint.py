@@ -59,14 +59,29 @@ def save(run_dir: str | Path, step: int, runtime: Runtime, model: nn.Module, met
     return path
 
 
+# Model fields a resumed run may change: they set kernels, precision, initialisation or loss
+# weights, not the network the saved tensors belong to.
+TRAINING_ONLY_MODEL_FIELDS = frozenset({
+    "model.gemm_backend", "model.precision", "model.init_std", "model.router.lb_loss_weight",
+    "model.router.z_loss_weight", "model.router.expert_bias_rate", "model.router.lb_loss_scope",
+})
+
+
+def _flat(section: dict[str, Any], prefix: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in section.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
 def check_same_model(path: Path, cfg: Config) -> None:
     """Refuse to resume a checkpoint written for another model or sequence length: tensors of
     the same shapes would load silently into a different network (fewer layers, tied
     embeddings, another router)."""
     saved = load_metadata(path).get("config", {})
-    want = cfg.to_dict()
-    diffs = [f"model.{k}: checkpoint {v!r}, this run {want['model'].get(k)!r}"
-             for k, v in sorted(saved.get("model", {}).items()) if want["model"].get(k) != v]
+    saved_model, want_model = _flat(saved.get("model", {}), "model."), _flat(cfg.to_dict()["model"], "model.")
+    diffs = [f"{k}: checkpoint {v!r}, this run {want_model.get(k)!r}" for k, v in sorted(saved_model.items())
+             if k not in TRAINING_ONLY_MODEL_FIELDS and want_model.get(k) != v]
     saved_seq = saved.get("data", {}).get("seq_len")
     if saved_seq is not None and saved_seq != cfg.data.seq_len:
         diffs.append(f"data.seq_len: checkpoint {saved_seq}, this run {cfg.data.seq_len}")

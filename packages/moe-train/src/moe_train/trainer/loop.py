@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from moe_train.config import Config, ConfigError, validate
-from moe_train.data import WindowSampler, eval_batches, open_data
+from moe_train.data import DataError, WindowSampler, eval_batches, open_data
 from moe_train.model import Transformer, count_params, flops_per_token
 from moe_ckpt import AsyncCheckpointer, capture_rng_state, restore_rng_state
 from moe_train.trainer import checkpoint as ckpt
@@ -51,6 +51,10 @@ class Trainer:
         self.meta, splits = open_data(data_dir, cfg.model.vocab_size)
         self.sampler = WindowSampler(splits["train"].tokens, cfg.data.seq_len, cfg.data.seed)
         self.eval_data = eval_batches(splits["eval"].tokens, cfg.data.seq_len, t.micro_batch_size, t.eval_batches)
+        if t.eval_interval > 0 and not self.eval_data:
+            raise DataError(f"{data_dir}: the eval split has {splits['eval'].tokens.size} tokens, fewer than one window "
+                            f"of data.seq_len+1={cfg.data.seq_len + 1}; prepare more data, shorten data.seq_len, "
+                            "or set train.eval_interval=0")
         torch.manual_seed(t.seed)
         self.model = rt.setup(Transformer(cfg.model, device="meta"))  # each rank allocates only its slice
         self.run_dir = Path(t.run_dir)
@@ -146,11 +150,13 @@ class Trainer:
         path = ckpt.latest(self.run_dir) if self.cfg.train.resume else None
         if path is None:
             ckpt.check_not_an_import(self.run_dir)
-            ckpt.check_no_checkpoints_after(self.run_dir, 0, self.cfg.train.resume)
+            if self.cfg.train.save_interval > 0:  # a run that saves nothing writes over nothing
+                ckpt.check_no_checkpoints_after(self.run_dir, 0, self.cfg.train.resume)
             return None
         ckpt.check_same_model(path, self.cfg)
         meta = ckpt.load(path, self.runtime, self.model)
-        ckpt.check_no_checkpoints_after(self.run_dir, int(meta["step"]), True)
+        if self.cfg.train.save_interval > 0:
+            ckpt.check_no_checkpoints_after(self.run_dir, int(meta["step"]), True)
         self.step = int(meta["step"])
         self.skipped_steps = int(meta["skipped_steps"])
         self.sampler.load_state_dict(meta["sampler"])
