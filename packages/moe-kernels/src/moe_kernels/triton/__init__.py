@@ -7,7 +7,6 @@ without triton. The kernel modules import it and are loaded only when a triton b
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -28,12 +27,20 @@ def triton_runs_on(t: torch.Tensor) -> bool:
     return t.is_cuda and triton_available()
 
 
+def _triton_interprets() -> bool:
+    """Whether triton runs kernels in its CPU interpreter (its own setting, read through triton)."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    return bool(knobs is not None and knobs.runtime.interpret)
+
+
 def require_triton_on(t: torch.Tensor) -> None:
     """Raise a clear error when backend="triton" is asked for where its kernels cannot run:
     triton not installed, or a tensor off CUDA without Triton's CPU interpreter."""
     if not triton_available():
         raise ValueError("backend='triton' needs triton installed (pip install triton); use backend='auto' or 'reference'")
-    if t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+    if t.is_cuda or (t.device.type == "cpu" and _triton_interprets()):
         return
     raise ValueError(
         f"backend='triton' got a tensor on device={t.device}: the triton kernels run on CUDA devices, or on "
