@@ -69,11 +69,7 @@ def find_latest(root: str | Path) -> Path | None:
     behind: the newer complete checkpoint wins (to roll back, move newer checkpoints away).
     Partial `.tmp` directories are never returned.
     """
-    root = Path(root)
     found = list_checkpoints(root)
-    target = read_latest(root)
-    if target is not None and is_complete(target) and (not found or _natural_key(target.name) >= _natural_key(found[-1].name)):
-        return target
     return found[-1] if found else None
 
 

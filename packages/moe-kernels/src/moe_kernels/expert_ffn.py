@@ -104,8 +104,6 @@ def _plan(
     torch grouped_mm between our permute, SwiGLU and combine kernels. auto, on a GPU: the
     fastest of a GEMM-by-GEMM choice between the two, all-Triton and all-grouped_mm, timed once
     per shape (rows bucketed to a power of two) and cached."""
-    if backend not in ("auto", "triton", "torch", "reference"):
-        raise ValueError(f"backend={backend!r} is not one of 'auto', 'triton', 'torch', 'reference'")
     if backend == "reference" or not use_triton("auto" if backend == "torch" else backend, x):
         return None
     from moe_kernels.triton import ffn_kernels

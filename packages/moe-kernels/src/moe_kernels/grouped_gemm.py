@@ -90,14 +90,12 @@ def grouped_gemm(
     offsets = checked_offsets(offsets, x.shape[0], w.shape[0])
     if x.dtype != w.dtype or x.device != w.device:
         raise ValueError(f"x ({x.dtype}, {x.device}) and w ({w.dtype}, {w.device}) must share dtype and device")
-    if backend not in ("auto", "triton", "torch", "reference"):
-        raise ValueError(f"backend={backend!r} is not one of 'auto', 'triton', 'torch', 'reference'")
-    if backend == "reference":
-        return grouped_gemm_reference(x, w, offsets)
     if use_triton(backend, x):
         from moe_kernels.triton.grouped_gemm_kernels import GroupedGemmFn
 
         return GroupedGemmFn.apply(x, w, offsets)
+    if backend == "reference":
+        return grouped_gemm_reference(x, w, offsets)
     if backend == "torch":
         if not torch_grouped_mm_supported(x, w):
             raise ValueError(

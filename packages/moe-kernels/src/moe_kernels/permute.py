@@ -12,12 +12,6 @@ from moe_kernels.triton import use_triton
 RowBackend = Literal["auto", "triton", "torch", "reference"]
 
 
-def _use_triton(backend: str, x: torch.Tensor) -> bool:
-    if backend not in ("auto", "triton", "torch", "reference"):
-        raise ValueError(f"backend={backend!r} is not one of 'auto', 'triton', 'torch', 'reference'")
-    return use_triton(backend, x)
-
-
 def permute(x: torch.Tensor, route_map: RouteMap, backend: RowBackend = "auto") -> torch.Tensor:
     """Gather token rows into expert order.
 
@@ -25,7 +19,7 @@ def permute(x: torch.Tensor, route_map: RouteMap, backend: RowBackend = "auto") 
     """
     if x.shape[0] != route_map.num_tokens:
         raise ValueError(f"x has {x.shape[0]} rows but the route map was built for {route_map.num_tokens} tokens")
-    if _use_triton(backend, x):
+    if use_triton(backend, x):
         from moe_kernels.triton.permute_kernels import PermuteFn
 
         return PermuteFn.apply(x, route_map.dest_row, route_map.top_k)
@@ -47,7 +41,7 @@ def combine(
         raise ValueError(
             f"weights shape {tuple(weights.shape)} != (T, k)=({route_map.num_tokens}, {route_map.top_k})"
         )
-    if _use_triton(backend, expert_out):
+    if use_triton(backend, expert_out):
         from moe_kernels.triton.permute_kernels import CombineFn
 
         return CombineFn.apply(expert_out, route_map.dest_row, weights)

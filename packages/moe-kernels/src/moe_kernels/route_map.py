@@ -86,8 +86,6 @@ def build_route_map(expert_ids: torch.Tensor, num_experts: int, backend: RouteMa
     if num_experts <= 0:
         raise ValueError(f"num_experts={num_experts} must be positive")
     num_tokens, top_k = expert_ids.shape
-    if backend not in ("auto", "triton", "torch", "reference"):
-        raise ValueError(f"backend={backend!r} is not one of 'auto', 'triton', 'torch', 'reference'")
     if expert_ids.device.type == "cpu":
         _check_ids_on_host(expert_ids, num_experts)
     if use_triton(backend, expert_ids):

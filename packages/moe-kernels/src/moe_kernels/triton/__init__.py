@@ -51,7 +51,10 @@ def require_triton_on(t: torch.Tensor) -> None:
 
 def use_triton(backend: str, t: torch.Tensor) -> bool:
     """Whether a call with this backend runs the triton kernels on `t`'s device (one rule for
-    every op): "triton" always (after `require_triton_on`), "auto" on CUDA when installed."""
+    every op): "triton" always (after `require_triton_on`), "auto" on CUDA when installed.
+    Any other name than auto / triton / torch / reference is refused here, for every op."""
+    if backend not in ("auto", "triton", "torch", "reference"):
+        raise ValueError(f"backend={backend!r} is not one of 'auto', 'triton', 'torch', 'reference'")
     if backend == "triton":
         require_triton_on(t)
         return True

@@ -150,18 +150,16 @@ class Trainer:
         path = ckpt.latest(self.run_dir) if self.cfg.train.resume else None
         if path is None:
             ckpt.check_not_an_import(self.run_dir)
-            if self.cfg.train.save_interval > 0:  # a run that saves nothing writes over nothing
-                ckpt.check_no_checkpoints_after(self.run_dir, 0, self.cfg.train.resume)
-            return None
-        ckpt.check_same_model(path, self.cfg)
-        meta = ckpt.load(path, self.runtime, self.model)
-        if self.cfg.train.save_interval > 0:
-            ckpt.check_no_checkpoints_after(self.run_dir, int(meta["step"]), True)
-        self.step = int(meta["step"])
-        self.skipped_steps = int(meta["skipped_steps"])
-        self.sampler.load_state_dict(meta["sampler"])
-        if meta["layout"]["world_size"] == self.runtime.world_size:
-            restore_rng_state(meta["rng"])  # another layout draws its own random streams
+        else:
+            ckpt.check_same_model(path, self.cfg)
+            meta = ckpt.load(path, self.runtime, self.model)
+            self.step = int(meta["step"])
+            self.skipped_steps = int(meta["skipped_steps"])
+            self.sampler.load_state_dict(meta["sampler"])
+            if meta["layout"]["world_size"] == self.runtime.world_size:
+                restore_rng_state(meta["rng"])  # another layout draws its own random streams
+        if self.cfg.train.save_interval > 0:  # a run that saves nothing writes over nothing
+            ckpt.check_no_checkpoints_after(self.run_dir, self.step, self.cfg.train.resume)
         return path
 
     # -- the loop ---------------------------------------------------------------------------
