@@ -6,8 +6,9 @@ a per-expert loop and a dense GEMM chain with the same FLOPs, in one run.
 
 FLOPs counted (all methods): 3 GEMMs of fwd+bwd = 18 * T*k * d * h per block (the gate/up GEMM
 is 2h wide). Every method gets fresh random bf16 inputs, random top-k routing and fp32 router
-weights; times are medians of CUDA-event-timed iterations after warm-up, with the route map
-(or argsort / bincount) inside the timed region.
+weights; times are medians of CUDA-event-timed samples after warm-up, with the route map
+(or argsort / bincount) inside the timed region. Methods are timed in interleaved rounds, so
+each sees the same GPU clocks.
 """
 
 from __future__ import annotations
@@ -86,27 +87,29 @@ def dense(xd, w1d, w2d, gyd):
     return torch.autograd.grad(out, (xd, w1d, w2d), gyd)
 
 
-def time_ms(fn, warmup, iters, calls=1):
-    """Median ms per call over `iters` CUDA-event-timed samples of `calls` back-to-back calls
-    (calls=1: each sample starts from an idle GPU, so the host's launch latency is in it; more
-    calls let the host run ahead, as it does across a model's layers)."""
-    for _ in range(warmup):
+def sample_ms(fn, calls=1):
+    """One CUDA-event-timed sample: ms per call over `calls` back-to-back calls (calls=1: the
+    sample starts from an idle GPU, so the host's launch latency is in it; more calls let the
+    host run ahead, as it does across a model's layers)."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(calls):
         fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / calls)
-    times.sort()
-    return times[len(times) // 2], times
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / calls
+
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
 
 
 def bench_shape(name, E, iters, methods, back_to_back=4, seed=0):
+    """Every method timed in rounds: each round takes one sample of each method (one call, then
+    `back_to_back` calls), so all methods see the same GPU clocks and temperature; a sustained
+    load lowers the H200's clocks, and timing methods one after another favoured whichever ran
+    after a light one. The per-expert loop (seconds per call at E >= 32) joins the first rounds only."""
     s = SHAPES[name]
     T, d, h, k = s["T"], s["d"], s["h"], s["k"]
     flops = 18 * T * k * d * h
@@ -117,25 +120,33 @@ def bench_shape(name, E, iters, methods, back_to_back=4, seed=0):
     fns = {"ours": lambda: ours(*args), "ours_triton": lambda: ours(*args, backend="triton"),
            "ours_torch_gemm": lambda: ours(*args, backend="torch"), "torch_grouped_mm": lambda: torch_grouped_mm_block(*args),
            "per_expert_loop": lambda: per_expert_loop(*args)}
-    for m in methods:
-        if m == "dense":
-            g = torch.Generator(device="cuda").manual_seed(seed + 1)
-            xd = torch.randn(T * k, d, device="cuda", generator=g).bfloat16().requires_grad_()
-            w1d = (torch.randn(d, 2 * h, device="cuda", generator=g) / d**0.5).bfloat16().requires_grad_()
-            w2d = (torch.randn(h, d, device="cuda", generator=g) / h**0.5).bfloat16().requires_grad_()
-            gyd = torch.randn(T * k, d, device="cuda", generator=g).bfloat16()
-            fn = lambda: dense(xd, w1d, w2d, gyd)  # noqa: E731
-            med, times = time_ms(fn, 3, iters)
-            med_b2b, _ = time_ms(fn, 0, iters, calls=back_to_back)
-            del xd, w1d, w2d, gyd
-        else:
-            n = max(3, iters // 4) if m == "per_expert_loop" and E >= 32 else iters
-            med, times = time_ms(fns[m], 2 if m == "per_expert_loop" else 3, n)
+    if "dense" in methods:
+        g = torch.Generator(device="cuda").manual_seed(seed + 1)
+        xd = torch.randn(T * k, d, device="cuda", generator=g).bfloat16().requires_grad_()
+        w1d = (torch.randn(d, 2 * h, device="cuda", generator=g) / d**0.5).bfloat16().requires_grad_()
+        w2d = (torch.randn(h, d, device="cuda", generator=g) / h**0.5).bfloat16().requires_grad_()
+        gyd = torch.randn(T * k, d, device="cuda", generator=g).bfloat16()
+        fns["dense"] = lambda: dense(xd, w1d, w2d, gyd)
+    rounds = {m: (max(3, iters // 4) if m == "per_expert_loop" and E >= 32 else iters) for m in methods}
+    one = {m: [] for m in methods}
+    b2b = {m: [] for m in methods}
+    for m in methods:  # warm-up (and, for ours, the one-time tuning)
+        for _ in range(2 if m == "per_expert_loop" else 3):
+            fns[m]()
+    torch.cuda.synchronize()
+    for r in range(iters):
+        for m in methods[r % len(methods):] + methods[: r % len(methods)]:
+            if r >= rounds[m]:
+                continue
+            one[m].append(sample_ms(fns[m]))
             # the per-expert loop reads counts on the host every call: back-to-back changes nothing for it
-            med_b2b = med if m == "per_expert_loop" else time_ms(fns[m], 0, n, calls=back_to_back)[0]
-        row[m] = dict(ms=med, tflops=flops / med / 1e9, times_ms=times, ms_back_to_back=med_b2b,
+            b2b[m].append(one[m][-1] if m == "per_expert_loop" else sample_ms(fns[m], back_to_back))
+    for m in methods:
+        med, med_b2b = median(one[m]), median(b2b[m])
+        row[m] = dict(ms=med, tflops=flops / med / 1e9, times_ms=sorted(one[m]), ms_back_to_back=med_b2b,
                       tflops_back_to_back=flops / med_b2b / 1e9)
-        torch.cuda.empty_cache()
+    fns.pop("dense", None)
+    torch.cuda.empty_cache()
     # correctness of ours against the torch grouped_mm block on the same inputs
     if "ours" in methods and "torch_grouped_mm" in methods:
         a, b = ours(*args), torch_grouped_mm_block(*args)
@@ -167,6 +178,25 @@ def profile(name, E):
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
+def trace(name, E, path):
+    """Write a chrome trace (CPU ops and CUDA kernels) of two back-to-back calls of ours with torch
+    GEMMs, after warm-up: where the GPU sits idle between kernels, and what the host does then."""
+    s = SHAPES[name]
+    ids, weights, x, w1, w2, gy = make_inputs(s["T"], s["d"], s["h"], s["k"], E, 0)
+    for t in (x, weights, w1, w2):
+        t.requires_grad_()
+    args = (ids, weights, x, w1, w2, gy, E)
+    for _ in range(3):
+        ours(*args, backend="torch")
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        ours(*args, backend="torch")
+        ours(*args, backend="torch")
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
@@ -183,9 +213,13 @@ def main():
     p.add_argument("--back-to-back", type=int, default=4, help="calls per timed sample for the back-to-back columns")
     p.add_argument("--out", default=None)
     p.add_argument("--commit", default=None, help="commit to record when the tree has no .git (device copies)")
+    p.add_argument("--trace", default=None, help="write a chrome trace of ours (torch GEMMs) to this path (first shape, first E) and exit")
     p.add_argument("--profile", action="store_true", help="print per-kernel CUDA time of one iteration of ours (first shape, first E)")
     args = p.parse_args()
     methods = args.methods.split(",")
+    if args.trace:
+        trace(args.shapes.split(",")[0], int(args.experts.split(",")[0]), args.trace)
+        return
     if args.profile:
         profile(args.shapes.split(",")[0], int(args.experts.split(",")[0]))
     rows = []

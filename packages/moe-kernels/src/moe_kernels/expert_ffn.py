@@ -161,19 +161,25 @@ def _fastest_plan(x, w_gate_up, w_down, offsets, route_map):
     grad = torch.randn(x.shape, device=x.device, generator=gen).to(x.dtype)
     if rm is not None:
         leaves.append(torch.rand(rm.num_tokens, rm.top_k, device=x.device, generator=gen).requires_grad_())
-    times = {}
+    def step(plan):
+        if rm is None:
+            out = ffn_kernels.swiglu_ffn_sorted(leaves[0], leaves[1], leaves[2], offsets, plan)
+        else:
+            out = ffn_kernels.swiglu_ffn_routed(leaves[0], leaves[3], leaves[1], leaves[2], rm.offsets, rm.sort_order, rm.dest_row, plan)
+        torch.autograd.grad(out, leaves, grad)
+
     for plan in candidates:
+        step(plan)
+    # candidates interleaved over rounds, so a drift in clocks during tuning favours none of them;
+    # a block takes 2-40 ms, so a round of 80 ms holds a few calls of each at the largest shapes
+    times: dict = {plan: [] for plan in candidates}
+    for _ in range(_PLAN_ROUNDS):
+        for plan in candidates:
+            times[plan].append(triton.testing.do_bench(lambda plan=plan: step(plan), warmup=10, rep=80, return_mode="median"))
+    return min(candidates, key=lambda plan: sorted(times[plan])[len(times[plan]) // 2])
 
-        def step(plan=plan):
-            if rm is None:
-                out = ffn_kernels.swiglu_ffn_sorted(leaves[0], leaves[1], leaves[2], offsets, plan)
-            else:
-                out = ffn_kernels.swiglu_ffn_routed(leaves[0], leaves[3], leaves[1], leaves[2], rm.offsets, rm.sort_order, rm.dest_row, plan)
-            torch.autograd.grad(out, leaves, grad)
 
-        step()
-        times[plan] = triton.testing.do_bench(step, warmup=5, rep=40, return_mode="median")
-    return min(times, key=times.get)
+_PLAN_ROUNDS = 3
 
 
 def tuned_plans() -> dict[tuple, object]:

@@ -79,14 +79,14 @@ def _grouped_gemm_kernel(
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn, stride_xm, stride_xn,
     TOPK: tl.constexpr, E_P2: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_NK: tl.constexpr, FLATTEN: tl.constexpr,
+    A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_NK: tl.constexpr, FLATTEN: tl.constexpr, WS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     experts, starts, ends, tiles, cum = _expert_tiles(offsets_ptr, E, E_P2, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     total = tl.sum(tiles, axis=0) * num_n
     out_ty = c_ptr.dtype.element_ty
-    for tile in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN):
+    for tile in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN, warp_specialize=WS == 1):
         mt = tile // num_n
         nt = tile % num_n
         e, row0, e_end = _locate_tile(mt, experts, starts, ends, tiles, cum, BLOCK_M)
@@ -102,7 +102,7 @@ def _grouped_gemm_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if EPILOGUE == 1:
             acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WS == 2):
             kmask = (k0 + rk) < K
             if A_TMA:
                 # rows past this expert's end belong to the next expert (or are zero-filled): their
@@ -157,7 +157,7 @@ def _grouped_wgrad_kernel(
     a_ptr, a_desc, b_ptr, b_desc, c_ptr, offsets_ptr, gather_ptr, K, N,
     stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
     TOPK: tl.constexpr, GATHER_A: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    A_TMA: tl.constexpr, B_TMA: tl.constexpr,
+    A_TMA: tl.constexpr, B_TMA: tl.constexpr, WS: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -176,7 +176,7 @@ def _grouped_wgrad_kernel(
     nmask = rn < N
     acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
     # whole BLOCK_R chunks of this expert's rows (no row mask), then at most one partial chunk
-    for r0 in range(start, full_end, BLOCK_R):
+    for r0 in tl.range(start, full_end, BLOCK_R, warp_specialize=WS == 2):
         rr = r0 + tl.arange(0, BLOCK_R)
         if A_TMA:
             a = a_desc.load([r0, kt * BLOCK_K])
@@ -208,18 +208,25 @@ def _grouped_wgrad_kernel(
 # Block shapes tried per (kernel, shape, dtype); the first is the default when tuning is off
 # (CPU interpreter, or a first call made during CUDA-graph capture). `tma`: operands that allow
 # it (bf16/fp16 on a GPU with TMA, 16-byte aligned rows, not gathered) are read through tensor
-# descriptors; the tuner keeps whichever variant is faster.
+# descriptors; the tuner keeps whichever variant is faster. `ws`: Triton's warp specialisation
+# of the persistent tile loop (1) or of the K / row loop (2); on the H200 with triton 3.6 it
+# gains 2-10% on some (b)/(a) E=128 GEMMs and loses on others (bench/explore_warp_spec.py), and
+# it fails to compile for 4-warp tiles, so it is only ever a tuning candidate.
 _GEMM_CONFIGS_BF16 = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, tma=True),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, tma=True),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, tma=False),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, tma=True),
     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, tma=True),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, tma=True, ws=1),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, tma=True, ws=2),
 ]
 _SWIGLU_CONFIGS_BF16 = [
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, tma=True),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, tma=True),
     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3, tma=True),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, tma=True, ws=1),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, tma=True, ws=2),
 ]
 _WGRAD_CONFIGS_BF16 = [
     dict(BLOCK_K=128, BLOCK_N=256, BLOCK_R=64, num_warps=8, num_stages=3, tma=True),
@@ -227,6 +234,7 @@ _WGRAD_CONFIGS_BF16 = [
     dict(BLOCK_K=128, BLOCK_N=128, BLOCK_R=64, num_warps=8, num_stages=3, tma=True),
     dict(BLOCK_K=256, BLOCK_N=128, BLOCK_R=64, num_warps=8, num_stages=3, tma=True),
     dict(BLOCK_K=64, BLOCK_N=128, BLOCK_R=64, num_warps=4, num_stages=4, tma=True),
+    dict(BLOCK_K=128, BLOCK_N=256, BLOCK_R=64, num_warps=8, num_stages=3, tma=True, ws=2),
 ]
 _GEMM_CONFIG_FP32 = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2, tma=False)]
 _WGRAD_CONFIG_FP32 = [dict(BLOCK_K=64, BLOCK_N=64, BLOCK_R=32, num_warps=4, num_stages=2, tma=False)]
@@ -298,6 +306,7 @@ def grouped_gemm_launch(
     def launch(cfg):
         cfg = dict(cfg)
         bm, bn, bk, tma = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("tma") and tma_ok
+        ws = cfg.pop("ws", 0)
         a_desc = _descriptor(a, [bm, bk]) if tma and gather is None else None
         # the SwiGLU epilogue reads B's up half at column H: a tensor-descriptor box must start
         # 16-byte aligned there (an unaligned H faulted on the H200)
@@ -311,7 +320,7 @@ def grouped_gemm_launch(
             c.stride(0), c.stride(1), aux.stride(0), aux.stride(1),
             TOPK=top_k, E_P2=e_p2, GATHER_A=gather is not None, EPILOGUE=epilogue,
             EVEN_K=K % bk == 0, UPCAST=cpu, PRECISION=_precision(a.dtype),
-            A_TMA=a_desc is not None, B_TMA=b_desc is not None, B_NK=b_nk, FLATTEN=False,
+            A_TMA=a_desc is not None, B_TMA=b_desc is not None, B_NK=b_nk, FLATTEN=False, WS=ws,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **cfg,
         )
 
@@ -347,6 +356,7 @@ def grouped_wgrad_launch(
     def launch(cfg):
         cfg = dict(cfg)
         bk, bn, br, tma = cfg.pop("BLOCK_K"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_R"), cfg.pop("tma") and tma_ok
+        ws = cfg.pop("ws", 0)
         a_desc = _descriptor(a, [br, bk]) if tma and gather is None else None
         b_desc = _descriptor(b, [br, bn]) if tma else None
         grid = (num_experts * triton.cdiv(K, bk) * triton.cdiv(N, bn),)
@@ -354,7 +364,7 @@ def grouped_wgrad_launch(
             a, a_desc, b, b_desc, out, offsets, gather_t, K, N,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
             TOPK=top_k, GATHER_A=gather is not None, UPCAST=cpu, PRECISION=_precision(a.dtype),
-            A_TMA=a_desc is not None, B_TMA=b_desc is not None,
+            A_TMA=a_desc is not None, B_TMA=b_desc is not None, WS=ws,
             BLOCK_K=bk, BLOCK_N=bn, BLOCK_R=br, **cfg,
         )
 

@@ -21,6 +21,13 @@ def rows_bucket(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def _unbuildable(exc: Exception) -> bool:
+    """A candidate that does not fit (shared memory, registers) or that the compiler rejects (a
+    warp-specialisation pass failure): the tuner skips it. The first candidate must always build."""
+    text = str(exc)
+    return "out of resource" in text.lower() or "OutOfResources" in type(exc).__name__ or "PassManager::run failed" in text
+
+
 def pick_config(key: tuple, configs: list[dict[str, Any]], launch: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """Run `launch` with the cached best config for `key`, tuning first if it is new. Returns the config."""
     best = _BEST.get(key)
@@ -35,8 +42,8 @@ def pick_config(key: tuple, configs: list[dict[str, Any]], launch: Callable[[dic
                 try:
                     launch(cfg)  # compile outside the timing
                     times.append(triton.testing.do_bench(lambda cfg=cfg: launch(cfg), warmup=5, rep=20, return_mode="median"))
-                except Exception as exc:  # a config that does not fit (shared memory, registers)
-                    if "out of resource" not in str(exc).lower() and "OutOfResources" not in type(exc).__name__:
+                except Exception as exc:
+                    if not _unbuildable(exc):
                         raise
                     times.append(float("inf"))
             best = configs[min(range(len(configs)), key=times.__getitem__)]
