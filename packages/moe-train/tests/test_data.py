@@ -2,8 +2,9 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
-from moe_train.data import DataError, WindowSampler, open_data, prepare_data
+from moe_train.data import DataError, WindowSampler, eval_batches, eval_windows, open_data, prepare_data
 
 
 def test_prepare_writes_uint32_tokens_with_document_boundaries(data_dir):
@@ -50,6 +51,21 @@ def test_sampler_ranks_split_the_global_batch():
     whole = WindowSampler(tokens, 10, seed=1).next_batch(6)[0]
     parts = [WindowSampler(tokens, 10, seed=1).next_batch(3, rank=r, world=2)[0] for r in range(2)]
     assert sorted(map(tuple, whole.tolist())) == sorted(map(tuple, (parts[0].tolist() + parts[1].tolist())))
+
+
+def test_eval_windows_and_their_average_do_not_depend_on_the_batch_size():
+    """Equal batches: the mean of batch means is the mean over windows, whatever the micro-batch size."""
+    tokens = np.arange(1000, dtype=np.uint32)
+    ref = eval_windows(tokens, 16, 12, 1)
+    ref_x = torch.cat([x for x, _ in ref])
+    for max_batch in (2, 5, 7, 12, 64):
+        got = eval_windows(tokens, 16, 12, max_batch)
+        assert len({x.shape[0] for x, _ in got}) == 1  # 12 windows at most 5 a batch: 3 x 4, not 5 + 5 + 2
+        assert torch.equal(torch.cat([x for x, _ in got]), ref_x)
+        batch_means = torch.stack([x.double().mean() for x, _ in got])
+        assert torch.allclose(batch_means.mean(), ref_x.double().mean())
+    assert eval_windows(tokens[:5], 16, 12, 4) == []  # fewer tokens than one window: no eval set
+    assert sum(x.shape[0] for x, _ in eval_batches(tokens, 16, 4, 2)) == 8  # the trainer's set: 4 x 2 windows
 
 
 def test_prepare_with_a_given_tokenizer(tmp_path, data_dir):

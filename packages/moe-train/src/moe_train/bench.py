@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from moe_train.config import Config
+from moe_train.config import Config, ConfigError
 from moe_train.model import Transformer, count_params, flops_per_token
 from moe_train.trainer.launch import make_runtime
 from moe_train.trainer.loop import pick_device
@@ -20,6 +20,10 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
 
     The runtime is the one `train` would use for this config (`parallel.*`: e.g. bf16 resident
     weights, or a layout under torchrun); tokens/s are per rank."""
+    if steps < 1:
+        raise ConfigError(f"bench --steps={steps}: expected a positive integer")
+    if warmup < 0:
+        raise ConfigError(f"bench --warmup={warmup}: expected an integer >= 0")
     t, m = cfg.train, cfg.model
     device = pick_device(t.device)
     torch.manual_seed(t.seed)

@@ -95,6 +95,9 @@ def _cmd_inspect(args) -> None:
     from moe_train.trainer.checkpoint import checkpoint_root
 
     path = Path(args.checkpoint)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{str(path)!r} is a file: expected a checkpoint folder (with index.json), "
+                                 "a run's checkpoints/ folder or a run folder")
     if checkpoint_root(path).is_dir():  # a run folder
         path = checkpoint_root(path)
     print(format_checkpoint(path))

@@ -8,6 +8,9 @@ naming the field, the bad value and what was expected.
 from __future__ import annotations
 
 import dataclasses
+import math
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,7 +98,6 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     autocast_bf16: bool = True  # bf16 autocast on GPU (never on CPU)
     progress: bool = True
-    compile: bool = False
     threads: int = 0  # torch CPU threads; 0 = leave torch's default
     max_skipped_steps: int = 10  # consecutive non-finite steps before the run stops with an error
 
@@ -126,6 +128,13 @@ class Config:
         return dataclasses.asdict(self)
 
 
+# Fields that no longer exist: a config that sets one is refused with the reason (configs stored in
+# older checkpoints still load; config_io drops these keys there).
+REMOVED_FIELDS = {
+    "train.compile": "it was never read (nothing was compiled); delete it from the config",
+}
+
+
 def _check(cond: bool, name: str, value: Any, expected: str) -> None:
     if not cond:
         raise ConfigError(f"{name}={value!r}: expected {expected}")
@@ -135,11 +144,48 @@ def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     _check(value in choices, name, value, f"one of {', '.join(choices)}")
 
 
+def _check_type(name: str, value: Any, annotation: Any) -> None:
+    """The value has the field's declared type; floats are finite (inf steps or timeouts never end)."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args:
+        if value is None:
+            return
+        annotation = next(a for a in args if a is not type(None))
+    if typing.get_origin(annotation) is list:
+        _check(isinstance(value, list), name, value, "a list")
+        for v in value:
+            _check_type(f"{name}[]", v, typing.get_args(annotation)[0])
+    elif annotation is bool:
+        _check(isinstance(value, bool), name, value, "true or false")
+    elif annotation is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), name, value, "an integer")
+    elif annotation is float:
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value), name, value,
+               "a finite number")
+    elif annotation is str:
+        _check(isinstance(value, str), name, value, "a string")
+
+
+def _check_types(obj: Any, prefix: str = "") -> None:
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_types(value, f"{prefix}{f.name}.")
+        else:
+            _check_type(f"{prefix}{f.name}", value, hints[f.name])
+
+
 def validate(cfg: Config) -> Config:
     """Raise ConfigError on the first invalid field; return cfg unchanged when valid."""
+    _check_types(cfg)
     m, r, d, t, p = cfg.model, cfg.model.router, cfg.data, cfg.train, cfg.parallel
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "dense_hidden"):
         _check(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "a positive integer")
+    _check(m.head_dim is None or m.head_dim > 0, "model.head_dim", m.head_dim,
+           "a positive integer (or null for model.d_model // model.num_heads)")
+    for name in ("rope_theta", "norm_eps", "init_std"):
+        _check(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "a positive number")
     _check(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads", m.num_kv_heads,
            f"a divisor of model.num_heads={m.num_heads}")
     if m.head_dim is None:
@@ -161,7 +207,12 @@ def validate(cfg: Config) -> Config:
         _check(getattr(r, name) >= 0, f"model.router.{name}", getattr(r, name), ">= 0")
     _choice("model.gemm_backend", m.gemm_backend, ("auto", "torch", "reference", "triton"))
     _choice("model.precision", m.precision, ("bf16",))
+    for name, path in (("data.path", d.path), ("data.cache_dir", d.cache_dir), ("train.run_dir", t.run_dir)):
+        _check(path != "", name, path, "a non-empty path")
     _check(d.seq_len >= 2, "data.seq_len", d.seq_len, ">= 2")
+    _check(d.seed >= 0, "data.seed", d.seed, "an integer >= 0")
+    for name in ("default_vocab_size", "default_max_bytes"):
+        _check(getattr(d, name) > 0, f"data.{name}", getattr(d, name), "a positive integer")
     _check(0 < d.eval_fraction < 1, "data.eval_fraction", d.eval_fraction, "in (0, 1)")
     for name in ("steps", "micro_batch_size", "grad_accum", "eval_batches", "log_interval", "keep_last",
                  "max_skipped_steps"):
@@ -172,6 +223,12 @@ def validate(cfg: Config) -> Config:
     _check(t.eval_interval >= 0 and t.save_interval >= 0, "train.eval_interval/save_interval",
            (t.eval_interval, t.save_interval), ">= 0 (0 disables)")
     _check(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, ">= 0 (0 disables)")
+    _check(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, ">= 0")
+    for name in ("beta1", "beta2"):
+        _check(0 <= getattr(t, name) < 1, f"train.{name}", getattr(t, name), "in [0, 1)")
+    _check(t.eps > 0, "train.eps", t.eps, "> 0")
+    _check(t.seed >= 0, "train.seed", t.seed, "an integer >= 0")
+    _check(t.threads >= 0, "train.threads", t.threads, ">= 0 (0 leaves torch's default)")
     _choice("train.device", t.device, ("auto", "cpu", "cuda"))
     for name in ("dp", "ep", "pp"):
         _check(getattr(p, name) >= 1, f"parallel.{name}", getattr(p, name), "a positive integer")

@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from moe_train.config import Config, ConfigError, validate
+from moe_train.config import REMOVED_FIELDS, Config, ConfigError, validate
 from moe_train.presets import get_preset
 
 
@@ -48,7 +48,7 @@ def _coerce(name: str, raw: Any, annotation: Any) -> Any:
             if float(value) != int(float(value)):
                 raise ValueError
             return int(float(value))
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: inf
             raise ConfigError(f"{name}={raw!r}: expected an integer") from None
     if annotation is float:
         try:
@@ -56,12 +56,18 @@ def _coerce(name: str, raw: Any, annotation: Any) -> Any:
         except (TypeError, ValueError):
             raise ConfigError(f"{name}={raw!r}: expected a number") from None
     if annotation is str:
-        return str(raw)
+        if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null")):
+            raise ConfigError(f"{name}={raw!r}: expected a string; this field cannot be null")
+        if isinstance(raw, (bool, list, dict)):
+            raise ConfigError(f"{name}={raw!r}: expected a string")
+        return str(raw)  # numbers and dates that YAML parsed from an unquoted scalar
     raise ConfigError(f"{name}: unsupported field type {annotation}")
 
 
 def set_field(cfg: Config, dotted: str, raw: Any) -> None:
     """Set `model.router.top_k`-style keys; unknown keys raise naming the key and the valid ones."""
+    if dotted in REMOVED_FIELDS:
+        raise ConfigError(f"{dotted} was removed: {REMOVED_FIELDS[dotted]}")
     parts = dotted.split(".")
     obj: Any = cfg
     for i, part in enumerate(parts):
@@ -96,7 +102,15 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
-    data = yaml.safe_load(p.read_text()) or {}
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
+        why = getattr(e, "problem", None) or " ".join(str(e).split())
+        raise ConfigError(f"config file {str(p)!r}: invalid YAML at {where}: {why}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(p)!r}: expected a mapping at the top level")
     return data
@@ -132,9 +146,15 @@ def build_config(preset: str | None = None, yaml_path: str | None = None, overri
     return validate(cfg)
 
 
+def _without_removed(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A stored config without the keys of REMOVED_FIELDS (older checkpoints hold them)."""
+    return {k: _without_removed(v, f"{prefix}{k}.") if isinstance(v, dict) else v
+            for k, v in d.items() if f"{prefix}{k}" not in REMOVED_FIELDS}
+
+
 def config_from_dict(d: dict[str, Any]) -> Config:
     """Rebuild a Config from Config.to_dict() output (e.g. stored in a checkpoint)."""
     cfg = Config()
-    apply_mapping(cfg, d)
+    apply_mapping(cfg, _without_removed(d))
     cfg.preset = d.get("preset", cfg.preset)
     return validate(cfg)

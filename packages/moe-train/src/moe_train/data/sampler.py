@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from moe_train.data.token_file import DataError
+
 
 class WindowSampler:
     def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, shuffle: bool = True):
@@ -19,7 +21,9 @@ class WindowSampler:
         self.shuffle = shuffle
         self.num_windows = (tokens.size - 1) // seq_len
         if self.num_windows < 1:
-            raise ValueError(f"{tokens.size} tokens are too few for one window of seq_len={seq_len} + 1")
+            where = f" ({tokens.filename})" if getattr(tokens, "filename", None) else ""
+            raise DataError(f"the train split{where} has {tokens.size} tokens, fewer than one window of "
+                            f"data.seq_len+1={seq_len + 1}; prepare more data or shorten data.seq_len")
         self._perm_epoch = -1
         self._perm = np.arange(self.num_windows)
         self.samples_seen = 0
@@ -51,14 +55,24 @@ class WindowSampler:
         self.seed = int(state["seed"])
 
 
-def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A fixed list of eval batches (the first windows, evenly spread over the split)."""
+def eval_windows(tokens: np.ndarray, seq_len: int, num_windows: int, max_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The eval set: min(num_windows, all) windows evenly spread over the split, as (inputs, targets) [b, S].
+
+    Every batch has the same size b (the largest divisor of the window count <= max_batch_size), so the
+    mean of the batch losses is the mean over the windows: neither the set nor the average depends on
+    the micro-batch size or the parallel layout, only the float reduction order does."""
     n = (tokens.size - 1) // seq_len
-    want = min(n, batch_size * num_batches)
+    want = max(0, min(n, num_windows))
     idx = np.linspace(0, n - 1, want).astype(np.int64) if want else np.zeros(0, dtype=np.int64)
+    size = max((b for b in range(1, min(max_batch_size, want) + 1) if want % b == 0), default=1)
     out = []
-    for b in range(0, want, batch_size):
-        rows = [np.asarray(tokens[i * seq_len : i * seq_len + seq_len + 1], dtype=np.int64) for i in idx[b : b + batch_size]]
+    for b in range(0, want, size):
+        rows = [np.asarray(tokens[i * seq_len : i * seq_len + seq_len + 1], dtype=np.int64) for i in idx[b : b + size]]
         arr = torch.from_numpy(np.stack(rows))
         out.append((arr[:, :-1].contiguous(), arr[:, 1:].contiguous()))
     return out
+
+
+def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The trainer's current eval set: batch_size * num_batches windows (so it follows the micro-batch size)."""
+    return eval_windows(tokens, seq_len, batch_size * num_batches, batch_size)

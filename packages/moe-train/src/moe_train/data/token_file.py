@@ -54,6 +54,35 @@ def write_meta(folder: Path, meta: dict) -> None:
     _atomic_write_bytes(folder / "meta.json", json.dumps(meta, indent=2).encode())
 
 
+def _is_count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _shown(d: object, key: str) -> str:
+    return repr(d[key]) if isinstance(d, dict) and key in d else "(missing)"
+
+
+def _read_meta(path: Path) -> dict:
+    """meta.json, checked for the keys and types a data folder needs (see the module docstring)."""
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path}: not valid JSON ({e}); expected the meta.json `moe-train prepare-data` writes") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{path}: holds a {type(meta).__name__}, expected a JSON object")
+    if meta.get("format") != FORMAT:
+        raise DataError(f"{path}: format={meta.get('format')!r}, expected {FORMAT!r}")
+    for key in ("vocab_size", "eos_id"):
+        if not _is_count(meta.get(key)):
+            raise DataError(f"{path}: {key}={_shown(meta, key)}, expected an integer >= 0")
+    splits = meta.get("splits")
+    for name in ("train", "eval"):
+        split = splits.get(name) if isinstance(splits, dict) else None
+        if not _is_count(split.get("num_tokens") if isinstance(split, dict) else None):
+            raise DataError(f"{path}: splits.{name}.num_tokens={_shown(split, 'num_tokens')}, expected an integer >= 0")
+    return meta
+
+
 def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, TokenSplit]]:
     """Open a data folder and check every token id is < vocab_size (the model's)."""
     root = Path(folder)
@@ -62,9 +91,7 @@ def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, Toke
     meta_path = root / "meta.json"
     if not meta_path.is_file():
         raise DataError(f"data.path={str(root)!r} has no meta.json: expected a folder written by `moe-train prepare-data`")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format") != FORMAT:
-        raise DataError(f"{meta_path}: format={meta.get('format')!r}, expected {FORMAT!r}")
+    meta = _read_meta(meta_path)
     splits: dict[str, TokenSplit] = {}
     for name in ("train", "eval"):
         tok_path, doc_path = root / f"{name}.u32", root / f"{name}.docs.u64"
@@ -74,8 +101,8 @@ def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, Toke
         if size % 4:
             raise DataError(f"{tok_path}: size {size} bytes is not a multiple of 4 (uint32 tokens); the file is truncated")
         tokens = np.memmap(tok_path, dtype="<u4", mode="r") if size else np.zeros(0, dtype=np.uint32)
-        expected = meta.get("splits", {}).get(name, {}).get("num_tokens")
-        if expected is not None and expected != tokens.size:
+        expected = meta["splits"][name]["num_tokens"]
+        if expected != tokens.size:
             raise DataError(f"{tok_path}: holds {tokens.size} tokens but meta.json says {expected}")
         doc_ends = np.fromfile(doc_path, dtype="<u8") if doc_path.is_file() else np.array([tokens.size], dtype=np.uint64)
         if tokens.size:
