@@ -47,3 +47,42 @@ def save_then_reshard(rank: int, world: int, root: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def load_with_one_corrupt_shard(rank: int, world: int, root: str) -> None:
+    """Save over `world` ranks, damage rank 1's shard file, then each rank loads only its own expert rows
+    (so only rank 1 reads the damaged file) inside fail_together. Writes root/rank{r}.json."""
+    import json
+    import time
+
+    from moe_ckpt import Box, fail_together
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=world)
+    try:
+        state = make_state(seed=3)
+        path = step_dir(Path(root) / "run", 1)
+        save_checkpoint(path, shards_for(state, rank, world), {"step": 1}, rank, world, dist.barrier)
+        if rank == 1:
+            shard = path / "shard-00001-of-00002.safetensors"
+            raw = bytearray(shard.read_bytes())
+            raw[-1] ^= 0xFF  # same size, wrong checksum
+            shard.write_bytes(bytes(raw))
+        dist.barrier()
+        shape = tuple(state["experts.w1"].shape)
+        rows = Box.dim0(shape, 4 * rank, 4)
+        start = time.monotonic()
+        out = {"error": None, "message": ""}
+        try:
+            fail_together(lambda: load_checkpoint(path, [LoadRequest("experts.w1", shape, region=rows)]),
+                          rank, world, lambda t: (dist.all_reduce(t), t)[1], f"loading {path}")
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out = {"error": type(e).__name__, "message": str(e)}
+        out["seconds"] = time.monotonic() - start
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        out["then"] = "ok" if t.item() == world else f"all_reduce gave {t.item()}"
+        (Path(root) / f"rank{rank}.json").write_text(json.dumps(out))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -11,7 +11,7 @@ def small_config(tmp_path, **train) -> Config:
                           shared_expert_hidden=16, router=RouterConfig(top_k=2, expert_bias=True)),
         data=DataConfig(path=str(tmp_path / "data"), seq_len=32),
         train=TrainConfig(**{"steps": 6, "micro_batch_size": 4, "grad_accum": 2, "warmup_steps": 2,
-                             "eval_interval": 3, "eval_batches": 2, "log_interval": 2, "save_interval": 3,
+                             "eval_interval": 3, "eval_windows": 8, "log_interval": 2, "save_interval": 3,
                              "run_dir": str(tmp_path / "run"), "progress": False, **train}),
         preset="test",
     )

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_train.data import DataError, WindowSampler, eval_batches, eval_windows, open_data, prepare_data
+from moe_train.data import DataError, WindowSampler, eval_windows, open_data, prepare_data
 
 
 def test_prepare_writes_uint32_tokens_with_document_boundaries(data_dir):
@@ -65,7 +65,6 @@ def test_eval_windows_and_their_average_do_not_depend_on_the_batch_size():
         batch_means = torch.stack([x.double().mean() for x, _ in got])
         assert torch.allclose(batch_means.mean(), ref_x.double().mean())
     assert eval_windows(tokens[:5], 16, 12, 4) == []  # fewer tokens than one window: no eval set
-    assert sum(x.shape[0] for x, _ in eval_batches(tokens, 16, 4, 2)) == 8  # the trainer's set: 4 x 2 windows
 
 
 def test_prepare_with_a_given_tokenizer(tmp_path, data_dir):

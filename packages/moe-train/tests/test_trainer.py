@@ -144,3 +144,17 @@ def test_an_eval_split_shorter_than_one_window_is_a_data_error(tmp_path, data_di
     cfg.data.seq_len = meta["splits"]["eval"]["num_tokens"]  # one token short of a window
     with pytest.raises(DataError, match="the eval split has .* fewer than one window"):
         Trainer(cfg).train()
+
+
+def test_eval_loss_does_not_depend_on_the_micro_batch_size(tmp_path, data_dir, make_config):
+    """The eval set is train.eval_windows sequences, batched evenly: the same windows and the same
+    mean loss for any micro-batch size (and so any parallel layout), up to float summation order."""
+    losses = []
+    for mbs in (1, 3, 4, 8):
+        cfg = make_config(tmp_path / f"m{mbs}", micro_batch_size=mbs, eval_windows=12)
+        cfg.data.path = str(data_dir)
+        torch.manual_seed(0)
+        trainer = Trainer(cfg)
+        assert sum(x.shape[0] for x, _ in trainer.eval_data) == 12
+        losses.append(trainer.evaluate())
+    assert max(losses) - min(losses) < 1e-5 * abs(losses[0]), losses

@@ -6,6 +6,7 @@ regions it needs (`LoadRequest`) and gets exactly those bytes back.
 """
 
 from moe_ckpt.async_save import AsyncCheckpointer, SaveStats
+from moe_ckpt.collective import fail_together
 from moe_ckpt.errors import (
     CheckpointError,
     ChecksumMismatchError,
@@ -14,6 +15,7 @@ from moe_ckpt.errors import (
     IncompleteCheckpointError,
     LayoutError,
     MissingShardFileError,
+    PeerCheckpointError,
     ShapeMismatchError,
     TensorNotFoundError,
     UncoveredRegionError,
@@ -21,7 +23,7 @@ from moe_ckpt.errors import (
 from moe_ckpt.geometry import Box, FlatRange, Region, even_split, split_flat_buffer
 from moe_ckpt.load import load_checkpoint, load_metadata, verify_checkpoint
 from moe_ckpt.rng import capture_rng_state, restore_rng_state
-from moe_ckpt.run_dir import apply_retention, find_latest, list_checkpoints, step_dir
+from moe_ckpt.run_dir import apply_retention, find_latest, list_checkpoints, step_dir, step_of
 from moe_ckpt.save import save_checkpoint
 from moe_ckpt.spec import LoadRequest, ShardSpec
 from moe_ckpt.summary import format_checkpoint, inspect_checkpoint
@@ -38,6 +40,7 @@ __all__ = [
     "LayoutError",
     "LoadRequest",
     "MissingShardFileError",
+    "PeerCheckpointError",
     "Region",
     "SaveStats",
     "ShapeMismatchError",
@@ -47,6 +50,7 @@ __all__ = [
     "apply_retention",
     "capture_rng_state",
     "even_split",
+    "fail_together",
     "find_latest",
     "format_checkpoint",
     "inspect_checkpoint",
@@ -57,5 +61,6 @@ __all__ = [
     "save_checkpoint",
     "split_flat_buffer",
     "step_dir",
+    "step_of",
     "verify_checkpoint",
 ]

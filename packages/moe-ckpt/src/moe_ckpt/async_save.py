@@ -1,9 +1,17 @@
 """AsyncCheckpointer: snapshot to host memory on the caller's thread, write on a background one.
 
 The barrier handed to `save` runs on the background thread. With torch.distributed,
-give it a group of its own (e.g. `g = dist.new_group(backend="gloo")`,
+give it a group of its own (e.g. `g = dist.new_group(backend="gloo", timeout=...)`,
 `barrier=lambda: dist.barrier(group=g)`) so it never interleaves with the training
-loop's collectives on the default group.
+loop's collectives on the default group; its timeout bounds how long a save waits for a
+rank that is gone.
+
+Use it as a context manager around the training loop: leaving the block, normally or by an
+exception (Ctrl-C included), waits for the save in flight, which then either commits or fails
+and removes its tmp folder (save_checkpoint does). On the exception path a save error is added
+as a note to the exception already leaving, never raised over it. The save's barriers run on the
+background threads of all ranks, not on the training loop's threads, so a rank whose loop raised
+still meets the others there: waiting is bounded by the barrier group's timeout.
 """
 
 from __future__ import annotations
@@ -93,6 +101,19 @@ class AsyncCheckpointer:
             err, self._error = self._error, None
             raise err
         return self.last_stats
+
+    def __enter__(self) -> AsyncCheckpointer:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None:
+            self.wait()
+            return False
+        try:
+            self.wait()  # a second Ctrl-C stops the wait; the next save removes the unfinished tmp folder
+        except BaseException as err:  # noqa: BLE001 - reported on the exception that is leaving
+            exc.add_note(f"the checkpoint save in flight did not complete: {type(err).__name__}: {err}")
+        return False
 
     @property
     def busy(self) -> bool:

@@ -39,5 +39,9 @@ class UncoveredRegionError(CheckpointError):
     """Part of a requested region is held by no saved piece (a shard is missing)."""
 
 
+class PeerCheckpointError(CheckpointError):
+    """Another rank failed its part of a collective checkpoint step; its own error names the cause."""
+
+
 class LayoutError(CheckpointError):
     """The pieces handed to save do not tile their tensors exactly (gaps, overlaps, disagreement)."""

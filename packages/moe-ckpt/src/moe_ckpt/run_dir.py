@@ -2,11 +2,12 @@
 
     run/
       step-00000100/      committed: index.json present, name has no ".tmp"
-      step-00000200.tmp/  a save in progress or a crashed one: always ignored
+      step-00000200.tmp/  a save in progress or a crashed one: always ignored, removed by the next save
       latest              text file holding "step-00000100", replaced atomically
 
 A checkpoint directory is only ever renamed into place after its index.json (written
-last) is fsynced, so "has index.json and no .tmp in its name" means complete.
+last) is fsynced, so "has index.json and no .tmp in its name" means complete. One save at a
+time per run directory: a save starts by removing what earlier failed or killed ones left.
 """
 
 from __future__ import annotations
@@ -28,6 +29,21 @@ TMP_MARK = ".tmp"
 def step_dir(root: str | Path, step: int) -> Path:
     """The conventional checkpoint directory for `step`: root/step-00000123."""
     return Path(root) / f"step-{step:08d}"
+
+
+_STEP_NAME = re.compile(r"step-(\d{8,})")
+
+
+def step_of(path: str | Path) -> int | None:
+    """The inverse of step_dir: the step of a folder named like root/step-00000123 (123), else None.
+
+    Only the exact names step_dir makes count ("step-1", "step-00000001.tmp" are None)."""
+    name = Path(path).name
+    m = _STEP_NAME.fullmatch(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step_dir(".", step).name == name else None
 
 
 def tmp_dir_for(path: Path) -> Path:
@@ -82,6 +98,36 @@ def write_latest(root: Path, checkpoint: Path) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, root / LATEST)
     fsync_dir(root)
+
+
+_DELETING = re.compile(rf"{re.escape(TMP_MARK)}-delete-[0-9a-f]{{8}}")
+_LATEST_TMP = re.compile(rf"\.{LATEST}\.tmp-[0-9a-f]{{32}}")
+
+
+def _is_leftover(p: Path) -> bool:
+    """A name only moe-ckpt makes: step-N.tmp (a save), step-N.tmp-delete-XXXXXXXX (retention), .latest.tmp-*."""
+    if p.is_symlink():
+        return False
+    if _LATEST_TMP.fullmatch(p.name):
+        return p.is_file()
+    base, mark, rest = p.name.partition(TMP_MARK)
+    ours = mark and step_of(base) is not None and (rest == "" or _DELETING.fullmatch(mark + rest))
+    return bool(ours) and p.is_dir()
+
+
+def remove_leftovers(root: Path) -> list[Path]:
+    """Remove what failed or killed saves left in run directory `root`; returns what was removed.
+
+    Only names moe-ckpt itself makes, never a symlink, never a committed checkpoint (those have
+    no ".tmp" in their name). Not safe while a save into `root` is in flight: save_checkpoint
+    calls it on rank 0 before its own save starts (one save at a time per run directory)."""
+    removed = [p for p in sorted(root.iterdir()) if _is_leftover(p)] if root.is_dir() else []
+    for p in removed:
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)  # what survives still has ".tmp" in its name: ignored
+        else:
+            p.unlink(missing_ok=True)
+    return removed
 
 
 def remove_checkpoint(path: Path) -> None:

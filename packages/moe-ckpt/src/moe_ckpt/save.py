@@ -1,15 +1,20 @@
 """save_checkpoint: every rank writes the pieces it owns; rank 0 commits.
 
 Protocol (ranks share a file system; `barrier` is the only coordination):
-  1. rank 0 clears a stale `<path>.tmp` and creates it            -- barrier
+  1. rank 0 removes what failed or killed saves left beside `<path>`
+     (step-N.tmp folders ...) and creates `<path>.tmp`             -- barrier
   2. each rank writes shard-RRRRR-of-WWWWW.safetensors (fsynced)
      and a small manifest (its pieces, size, checksum)            -- barrier
   3. rank 0 merges manifests into index.json after metadata.json,
      fsyncs, renames `<path>.tmp` -> `<path>`, moves `latest`,
      applies retention                                             -- barrier
-  4. every rank checks the commit happened
+  4. every rank checks the commit happened; if it did not, each reads
+     the error records in `<path>.tmp`                             -- barrier
+     and rank 0 removes `<path>.tmp`
 A failure on any rank is written to the tmp directory and every rank still reaches
-every barrier, so all ranks raise instead of one hanging.
+every barrier, so all ranks raise instead of one hanging. An exception that escapes a
+phase (Ctrl-C, a failed barrier) ends the save at once; rank 0 then removes `<path>.tmp`,
+and whatever a killed process leaves is removed by the next save (step 1).
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from pathlib import Path
 from moe_ckpt.errors import CheckpointError
 from moe_ckpt.geometry import describe
 from moe_ckpt.index import VERSION, build_index, manifest_name, shard_file_name
-from moe_ckpt.run_dir import INDEX, METADATA, apply_retention, is_complete, tmp_dir_for, write_latest
+from moe_ckpt.run_dir import (
+    INDEX, METADATA, apply_retention, is_complete, remove_leftovers, tmp_dir_for, write_latest,
+)
 from moe_ckpt.shard_file import Checksum, fsync_dir, write_json_atomic, write_shard_file
 from moe_ckpt.spec import ShardSpec, dtype_name
 
@@ -72,24 +79,33 @@ def save_checkpoint(
             errors.append(e)
             _record_error(tmp, rank, e)
 
-    if rank == 0:
-        phase(lambda: _prepare(tmp, metadata))
-    barrier()
-    phase(lambda: _write_rank(tmp, shards, rank, world_size, checksum))
-    barrier()
-    if rank == 0:
-        phase(lambda: _commit(path, tmp, metadata, world_size, checksum, update_latest, keep_last_n))
-    barrier()
-    if errors:
+    try:
+        if rank == 0:
+            phase(lambda: _prepare(tmp, metadata))
+        barrier()
+        phase(lambda: _write_rank(tmp, shards, rank, world_size, checksum))
+        barrier()
+        if rank == 0:
+            phase(lambda: _commit(path, tmp, metadata, world_size, checksum, update_latest, keep_last_n))
+        barrier()
+        if not is_complete(path):  # the same answer on every rank: the rename happened before the barrier
+            failure = errors[0] if errors else CheckpointError(
+                f"checkpoint {path} was not committed: {_read_errors(tmp) or 'no error recorded'}")
+            barrier()  # every rank has read the error records; the tmp folder may go
+            raise failure
+    except BaseException:
+        if rank == 0 and not is_complete(path):
+            shutil.rmtree(tmp, ignore_errors=True)  # abandoned: what survives keeps its .tmp name
+        raise
+    if errors:  # committed, then a later step failed on this rank (e.g. retention)
         raise errors[0]
-    if not is_complete(path):
-        raise CheckpointError(f"checkpoint {path} was not committed: {_read_errors(tmp) or 'no error recorded'}")
     return path
 
 
 def _prepare(tmp: Path, metadata: dict | None) -> None:
     json.dumps(metadata or {})  # fail before any rank writes if metadata is not JSON
-    if tmp.exists():  # a crashed earlier attempt at the same step
+    remove_leftovers(tmp.parent)
+    if tmp.exists():  # a crashed earlier attempt at the same path, if its name is not step-N
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     fsync_dir(tmp.parent)

@@ -88,7 +88,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     eval_interval: int = 50
-    eval_batches: int = 4
+    eval_windows: int = 64  # eval sequences (spread evenly over the eval split; the same set on every layout)
     log_interval: int = 10
     save_interval: int = 100
     keep_last: int = 2
@@ -132,6 +132,7 @@ class Config:
 # older checkpoints still load; config_io drops these keys there).
 REMOVED_FIELDS = {
     "train.compile": "it was never read (nothing was compiled); delete it from the config",
+    "train.eval_batches": "renamed to train.eval_windows, the number of eval sequences (was eval_batches x micro_batch_size)",
 }
 
 
@@ -214,7 +215,7 @@ def validate(cfg: Config) -> Config:
     for name in ("default_vocab_size", "default_max_bytes"):
         _check(getattr(d, name) > 0, f"data.{name}", getattr(d, name), "a positive integer")
     _check(0 < d.eval_fraction < 1, "data.eval_fraction", d.eval_fraction, "in (0, 1)")
-    for name in ("steps", "micro_batch_size", "grad_accum", "eval_batches", "log_interval", "keep_last",
+    for name in ("steps", "micro_batch_size", "grad_accum", "eval_windows", "log_interval", "keep_last",
                  "max_skipped_steps"):
         _check(getattr(t, name) >= 1, f"train.{name}", getattr(t, name), "a positive integer")
     _check(t.lr > 0, "train.lr", t.lr, "> 0")

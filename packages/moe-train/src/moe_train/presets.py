@@ -30,7 +30,7 @@ def olmo3_bench(num_experts: int) -> Config:
             shared_expert_hidden=4096, router=RouterConfig(top_k=4, routing="random"), rope_theta=500_000.0,
         ),
         data=DataConfig(seq_len=8192),
-        train=TrainConfig(micro_batch_size=2),
+        train=TrainConfig(micro_batch_size=2, eval_windows=8),
         preset=f"olmo3-bench-e{num_experts}",
     )
 
@@ -44,7 +44,7 @@ def fine_grained_bench(num_experts: int) -> Config:
             router=RouterConfig(top_k=8, routing="random"),
         ),
         data=DataConfig(seq_len=4096),
-        train=TrainConfig(micro_batch_size=2),
+        train=TrainConfig(micro_batch_size=2, eval_windows=8),
         preset=f"fine-grained-e{num_experts}",
     )
 

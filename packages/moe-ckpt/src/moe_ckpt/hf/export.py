@@ -12,6 +12,7 @@ import os
 import shutil
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from moe_ckpt.hf.spec import ARCH, DTYPES, HFConversionError, choose_model_type,
 TensorSource = Union[Mapping[str, torch.Tensor], Callable[[str], torch.Tensor]]
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DEFAULT_SHARD_BYTES = 4 * 2**30
+GROUPED_MM_ROW_BYTES = 16  # torch's grouped_mm (transformers' default MoE experts kernel) needs row strides of this
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ def export_hf_folder(
     model_type = choose_model_type(model_config, allow_benchmark_routing)
     hf_config = to_hf_config(model_config, model_type, dtype, extra_config)
     plan = build_plan(model_config, model_type)
+    _warn_unaligned_experts(model_config, dtype, out_dir)
     shard_of, total = _assign_shards(plan, dtype, max_shard_bytes)
     n_shards = shard_of[-1] + 1
     final = Path(out_dir)
@@ -105,6 +108,25 @@ def export_hf_folder(
     finally:
         shutil.rmtree(out, ignore_errors=True)
     return ExportSummary(final, ARCH[model_type], num_tensors, total, n_shards, time.perf_counter() - start)
+
+
+def _warn_unaligned_experts(model_config: dict[str, Any], dtype: str, out_dir: str | Path) -> None:
+    """Expert weight rows hold d_model (gate/up) or expert_hidden (down) elements. When a row is not a
+    multiple of 16 bytes in the export dtype or in bf16, transformers loads the folder and then its
+    grouped_mm fails on the first forward ("strides should be multiple of 16 bytes"): warn, naming them."""
+    if not model_config.get("num_experts"):
+        return
+    sizes = {"model.d_model": model_config["d_model"], "model.expert_hidden": model_config["expert_hidden"]}
+    bad = [f"{name}={n} ({n * TORCH_DTYPES[dt].itemsize} bytes per {dt} row)"
+           for name, n in sizes.items() for dt in dict.fromkeys([dtype, "bf16"])
+           if n * TORCH_DTYPES[dt].itemsize % GROUPED_MM_ROW_BYTES]
+    if bad:
+        warnings.warn(
+            f"export to {str(out_dir)!r}: expert weight rows are not a multiple of {GROUPED_MM_ROW_BYTES} bytes: "
+            f"{', '.join(bad)}. transformers loads the folder, but its default MoE kernel (grouped_mm) fails on the "
+            "first forward in that dtype ('strides should be multiple of 16 bytes'); load it with "
+            "experts_implementation='eager', or train with d_model and expert_hidden multiples of 8",
+            UserWarning, stacklevel=3)
 
 
 _EXPORT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

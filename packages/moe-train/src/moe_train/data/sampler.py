@@ -71,8 +71,3 @@ def eval_windows(tokens: np.ndarray, seq_len: int, num_windows: int, max_batch_s
         arr = torch.from_numpy(np.stack(rows))
         out.append((arr[:, :-1].contiguous(), arr[:, 1:].contiguous()))
     return out
-
-
-def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The trainer's current eval set: batch_size * num_batches windows (so it follows the micro-batch size)."""
-    return eval_windows(tokens, seq_len, batch_size * num_batches, batch_size)

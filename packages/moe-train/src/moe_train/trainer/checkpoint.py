@@ -2,11 +2,12 @@
 
 <run_dir>/checkpoints/step-XXXXXXXX/  one safetensors file per rank + index.json + metadata,
 written under a temporary name and renamed when complete; `latest` names the newest complete one.
+A value two shards share (`CheckpointShard.same_as`: LocalRuntime's fp32 master is its weight) is
+stored once; a reader that wants optim.X.master of such a checkpoint gets the fp32 weight X.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,8 @@ import torch
 from torch import nn
 
 from moe_ckpt import (
-    AsyncCheckpointer, Box, FlatRange, LoadRequest, ShardSpec, find_latest, load_checkpoint, load_metadata,
-    save_checkpoint, step_dir,
+    AsyncCheckpointer, Box, FlatRange, LoadRequest, ShardSpec, fail_together, find_latest, inspect_checkpoint,
+    load_checkpoint, load_metadata, save_checkpoint, step_dir, step_of,
 )
 from moe_train.config import Config, ConfigError
 from moe_train.trainer.runtime import CheckpointShard, Runtime, Slice
@@ -49,7 +50,7 @@ def save(run_dir: str | Path, step: int, runtime: Runtime, model: nn.Module, met
          keep_last: int, async_saver: AsyncCheckpointer | None = None, barrier=None) -> Path:
     """Every rank calls this; each writes only what it owns. Returns the checkpoint's path."""
     specs = [ShardSpec(s.global_name, s.global_shape, s.tensor.detach(), _region(s.slice), writer=s.is_writer)
-             for s in all_shards(runtime, model)]
+             for s in all_shards(runtime, model) if s.same_as is None]
     path = step_dir(checkpoint_root(run_dir), step)
     barrier = barrier or runtime.barrier
     if async_saver is not None:
@@ -107,8 +108,7 @@ def check_no_checkpoints_after(run_dir: str | Path, start_step: int, resume: boo
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return
-    later = sorted(p.name for p in root.iterdir()
-                   if (m := re.fullmatch(r"step-(\d+)", p.name)) and int(m.group(1)) > start_step)
+    later = sorted(p.name for p in root.iterdir() if (step := step_of(p)) is not None and step > start_step)
     if later:
         why = (f"this run resumes from step {start_step}" if resume and start_step > 0
                else "this run starts from step 0 (no resume)" if not resume else "no complete checkpoint was found")
@@ -121,15 +121,45 @@ def latest(run_dir: str | Path) -> Path | None:
     return find_latest(root) if root.is_dir() else None
 
 
+def _stored_name(name: str, saved: dict[str, dict]) -> str:
+    """The saved tensor holding `name`: itself, or for a master saved once as its fp32 weight, the weight."""
+    if name not in saved and name.startswith("optim.") and name.endswith(".master"):
+        weight = name[len("optim."):-len(".master")]
+        if saved.get(weight, {}).get("dtype") == "float32":
+            return weight
+    return name  # a name the checkpoint lacks is reported by load_checkpoint
+
+
+def _read(path: Path, shards: list[CheckpointShard], device: torch.device) -> dict[str, torch.Tensor]:
+    """{shard name: its slice}. load_checkpoint takes each saved name once per call, and a saved weight
+    may be wanted at two regions (as itself and as a master), hence one call per such repeat."""
+    saved = inspect_checkpoint(path)["tensors"]
+    wanted = {s.global_name: (_stored_name(s.global_name, saved), s.global_shape, _region(s.slice)) for s in shards}
+    passes: list[dict[str, tuple]] = []
+    for key in dict.fromkeys(wanted.values()):
+        todo = next((p for p in passes if key[0] not in p), None)
+        if todo is None:
+            passes.append(todo := {})
+        todo[key[0]] = key
+    got: dict[tuple, torch.Tensor] = {}
+    for todo in passes:
+        # dtype unchecked: resident weights may be bf16 on one layout and fp32 on another; copy_ casts.
+        data = load_checkpoint(path, [LoadRequest(*key[:2], None, key[2]) for key in todo.values()], device=device)
+        got.update((key, data[name]) for name, key in todo.items())
+    return {name: got[key] for name, key in wanted.items()}
+
+
 def load(path: Path, runtime: Runtime, model: nn.Module) -> dict[str, Any]:
-    """Read exactly the slices this rank now owns (any layout may have written them); returns metadata."""
+    """Read exactly the slices this rank now owns (any layout may have written them); returns metadata.
+
+    Every rank calls this; if any rank's read fails (a damaged shard file), every rank raises, the
+    others naming the rank that failed, instead of waiting at their next collective."""
     shards = all_shards(runtime, model)
     names = [s.global_name for s in shards]
     if len(set(names)) != len(names):
         raise RuntimeError("a rank holds two slices of one tensor; the checkpoint reader expects one")
-    # dtype unchecked: resident weights may be bf16 on one layout and fp32 on another; copy_ casts.
-    requests = [LoadRequest(s.global_name, s.global_shape, None, _region(s.slice)) for s in shards]
-    data = load_checkpoint(path, requests, device=runtime.device)
+    data = fail_together(lambda: _read(path, shards, runtime.device), runtime.rank, runtime.world_size,
+                         lambda flags: runtime.all_reduce_sum(flags.to(runtime.device)).cpu(), f"loading {path}")
     runtime.load_checkpoint_shards(lambda name, _slice: data[name])
     params = {n for n, _ in model.named_parameters()}
     with torch.no_grad():

@@ -7,6 +7,7 @@ calls as LocalRuntime. strategy="fsdp" swaps in the FSDP2 baseline (torch AdamW 
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -147,6 +148,14 @@ class DistributedRuntime:
 
     def barrier(self) -> None:
         dist.barrier(group=self.groups.world)
+
+    def background_barrier(self) -> Callable[[], None]:
+        """A gloo group of its own (call on every rank, in the same order): the async checkpoint writer's
+        barriers run on a background thread. Its timeout is the collective timeout, not torch's 30-minute
+        default, so a save whose peer is gone fails as soon as a training collective would."""
+        timeout = timedelta(seconds=self.cfg.parallel.collective_timeout_s)
+        group = dist.new_group(backend="gloo", timeout=timeout)
+        return lambda: dist.barrier(group=group)
 
     # ---- state -----------------------------------------------------------------------------
     def checkpoint_shards(self) -> list[CheckpointShard]:

@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from moe_train.config import Config, ConfigError, validate
-from moe_train.data import DataError, WindowSampler, eval_batches, open_data
+from moe_train.data import DataError, WindowSampler, eval_windows, open_data
 from moe_train.model import Transformer, count_params, flops_per_token
 from moe_ckpt import AsyncCheckpointer, capture_rng_state, restore_rng_state
 from moe_train.trainer import checkpoint as ckpt
@@ -50,7 +50,7 @@ class Trainer:
         rt.barrier()
         self.meta, splits = open_data(data_dir, cfg.model.vocab_size)
         self.sampler = WindowSampler(splits["train"].tokens, cfg.data.seq_len, cfg.data.seed)
-        self.eval_data = eval_batches(splits["eval"].tokens, cfg.data.seq_len, t.micro_batch_size, t.eval_batches)
+        self.eval_data = eval_windows(splits["eval"].tokens, cfg.data.seq_len, t.eval_windows, t.micro_batch_size)
         if t.eval_interval > 0 and not self.eval_data:
             raise DataError(f"{data_dir}: the eval split has {splits['eval'].tokens.size} tokens, fewer than one window "
                             f"of data.seq_len+1={cfg.data.seq_len + 1}; prepare more data, shorten data.seq_len, "
@@ -66,13 +66,8 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak = peak_tflops(self.device)
         self.async_saver = AsyncCheckpointer() if t.async_save else None
-        self.save_barrier = None
-        if t.async_save and rt.world_size > 1:
-            import torch.distributed as dist
-
-            # the background writer's barrier must not interleave with training collectives
-            group = dist.new_group(backend="gloo")
-            self.save_barrier = lambda: dist.barrier(group=group)
+        # the background writer's barrier must not interleave with training collectives
+        self.save_barrier = rt.background_barrier() if t.async_save else None
 
     # -- pieces -----------------------------------------------------------------------------
     def _amp(self):
@@ -164,17 +159,46 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
+        """Resume if there is something to resume, train to train.steps, return a summary.
+
+        However the run ends, metrics.jsonl gets an end event (why it stopped, for an error or
+        Ctrl-C) and an async save in flight is settled first: it commits, or fails and leaves no
+        tmp folder (a second Ctrl-C stops the wait; the next save removes what is left)."""
         t, rt = self.cfg.train, self.runtime
         resumed_from = self.maybe_resume()
         resumed = resumed_from is not None
-        if resumed and self.is_main and t.progress:
-            print(f"resumed from {resumed_from} at step {self.step} of {t.steps}", flush=True)
+        if resumed and self.is_main:
+            self.log.rewind(self.step)  # records past the checkpoint came from a run that died: this one rewrites them
+            if t.progress:
+                print(f"resumed from {resumed_from} at step {self.step} of {t.steps}", flush=True)
         counts = count_params(self.cfg.model)
-        if self.is_main:
-            self.log.write({"event": "start", "resumed_from_step": self.step if resumed else None,
-                            "params_total": counts.total, "params_active": counts.active,
-                            "flops_per_token": self.flops_per_token, "world_size": rt.world_size,
-                            "device": str(self.device)})
+        self.log.write({"event": "start", "resumed_from_step": self.step if resumed else None,
+                        "params_total": counts.total, "params_active": counts.active,
+                        "flops_per_token": self.flops_per_token, "world_size": rt.world_size,
+                        "device": str(self.device)})
+        try:
+            with self.async_saver or nullcontext():
+                summary = self._run(resumed)
+        except BaseException as e:
+            self._log_stop(e)
+            raise
+        stats = self.async_saver.last_stats if self.async_saver is not None else None
+        if stats is not None:
+            self.log.write({"event": "async_save", "stall_s": stats.stall_s, "write_s": stats.write_s})
+        self.log.write({"event": "end", "status": "completed", **summary})
+        rt.close()
+        return summary
+
+    def _log_stop(self, e: BaseException) -> None:
+        """The end event of a run stopped by `e` (a TrainingError, Ctrl-C, a failed save...); never raised over e."""
+        try:
+            self.log.write({"event": "end", "status": "interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
+                            "step": self.step, "skipped_steps": self.skipped_steps, "error": f"{type(e).__name__}: {e}"})
+        except Exception as err:  # noqa: BLE001 - e is the error to report
+            e.add_note(f"could not write the end event to {self.log.path}: {err}")
+
+    def _run(self, resumed: bool) -> dict[str, Any]:
+        t, rt = self.cfg.train, self.runtime
         first_eval = None
         if not resumed and t.eval_interval > 0:
             first_eval = self.evaluate()
@@ -219,12 +243,5 @@ class Trainer:
             if t.save_interval > 0 and (self.step % t.save_interval == 0 or self.step == t.steps):
                 self.save()
         bar.close()
-        if self.async_saver is not None:
-            stats = self.async_saver.wait()
-            if stats is not None:
-                self.log.write({"event": "async_save", "stall_s": stats.stall_s, "write_s": stats.write_s})
-        summary = {"step": self.step, "first_eval_loss": first_eval, "last_eval_loss": last_eval,
-                   "last_loss": record.get("loss"), "skipped_steps": self.skipped_steps}
-        self.log.write({"event": "end", **summary})
-        rt.close()
-        return summary
+        return {"step": self.step, "first_eval_loss": first_eval, "last_eval_loss": last_eval,
+                "last_loss": record.get("loss"), "skipped_steps": self.skipped_steps}

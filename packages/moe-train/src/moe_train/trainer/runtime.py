@@ -40,6 +40,8 @@ class CheckpointShard(NamedTuple):
 
     Names: model parameters by their full-model name (global shapes, e.g. experts [E, ...]);
     optimizer state as optim.{param}.master / .exp_avg / .exp_avg_sq, and optim.step.
+    same_as: the name of another of this rank's shards holding the very same values (an fp32
+    master that is the parameter itself): saved once, under that name, and read back from it.
     """
 
     global_name: str
@@ -47,6 +49,7 @@ class CheckpointShard(NamedTuple):
     slice: Slice
     tensor: torch.Tensor
     is_writer: bool
+    same_as: str | None = None
 
 
 class Runtime(Protocol):
@@ -65,6 +68,11 @@ class Runtime(Protocol):
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor: ...
 
     def barrier(self) -> None: ...
+
+    def background_barrier(self) -> Callable[[], None]:
+        """A barrier a background thread may call (the async checkpoint writer): it never interleaves
+        with the loop's collectives and fails after parallel.collective_timeout_s."""
+        ...
 
     def checkpoint_shards(self) -> list[CheckpointShard]: ...
 
@@ -133,6 +141,9 @@ class LocalRuntime:
     def barrier(self) -> None:
         pass
 
+    def background_barrier(self) -> Callable[[], None]:
+        return self.barrier
+
     def _adam_state(self, p: torch.Tensor) -> dict:
         assert self.optimizer is not None
         st = self.optimizer.state[p]
@@ -146,7 +157,7 @@ class LocalRuntime:
         return p.device if self.device.type == "cuda" else torch.device("cpu")
 
     def checkpoint_shards(self) -> list[CheckpointShard]:
-        """Everything is whole on one process; the master weight is the parameter itself."""
+        """Everything is whole on one process; the master weight is the parameter itself (saved once)."""
         assert self.model is not None
         out: list[CheckpointShard] = []
         step = torch.zeros(())
@@ -155,7 +166,7 @@ class LocalRuntime:
             st = self._adam_state(p)
             step = st["step"]
             out.append(CheckpointShard(name, tuple(p.shape), whole, p.data, True))
-            out.append(CheckpointShard(f"optim.{name}.master", tuple(p.shape), whole, p.data, True))
+            out.append(CheckpointShard(f"optim.{name}.master", tuple(p.shape), whole, p.data, True, same_as=name))
             out.append(CheckpointShard(f"optim.{name}.exp_avg", tuple(p.shape), whole, st["exp_avg"], True))
             out.append(CheckpointShard(f"optim.{name}.exp_avg_sq", tuple(p.shape), whole, st["exp_avg_sq"], True))
         out.append(CheckpointShard("optim.step", (), (), step.reshape(()).float(), True))

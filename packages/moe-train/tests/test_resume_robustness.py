@@ -1,0 +1,138 @@
+"""How a run ends and resumes: Ctrl-C during an async save, a crash between logging and saving, a training
+error, the collective timeout of the async writer's barrier, and what a one-process checkpoint stores."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from moe_ckpt import find_latest, inspect_checkpoint, step_dir
+from moe_train.trainer.loop import Trainer, TrainingError
+from moe_train.trainer.runtime import LocalRuntime
+
+sys.path.insert(0, str(Path(__file__).parent))
+import robustness_worker as w  # noqa: E402
+import test_parallel_harness as h  # noqa: E402
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+class CtrlCDuringSave(LocalRuntime):
+    """A real Ctrl-C (SIGINT to this process), sent by the async writer's first barrier, which then takes
+    half a second: the loop is interrupted while the save is still being written."""
+
+    sent = False
+
+    def barrier(self) -> None:
+        if threading.current_thread() is not threading.main_thread() and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)
+
+
+def test_ctrl_c_during_an_async_save_lets_it_commit_and_the_run_resumes(tmp_path, data_dir, make_config):
+    cfg = make_config(tmp_path, steps=4, save_interval=2, async_save=True, eval_interval=0, log_interval=1)
+    cfg.data.path = str(data_dir)
+    trainer = Trainer(cfg, CtrlCDuringSave(cfg, torch.device("cpu")))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    root = tmp_path / "run" / "checkpoints"
+    assert trainer.runtime.sent and not trainer.async_saver.busy
+    assert find_latest(root) == step_dir(root, 2), "the save in flight must be committed when train() returns"
+    assert not [p.name for p in root.iterdir() if ".tmp" in p.name]
+    end = read_metrics(tmp_path / "run")[-1]
+    assert end["event"] == "end" and end["status"] == "interrupted" and end["error"].startswith("KeyboardInterrupt")
+    assert Trainer(cfg).train()["step"] == 4
+
+
+def test_a_training_error_writes_an_end_event_saying_why(tmp_path, data_dir, make_config):
+    cfg = make_config(tmp_path, max_skipped_steps=2, eval_interval=0, save_interval=0)
+    cfg.data.path = str(data_dir)
+    trainer = Trainer(cfg)
+    with torch.no_grad():
+        trainer.model.lm_head.weight.fill_(float("nan"))
+    with pytest.raises(TrainingError, match="non-finite for 2 consecutive steps"):
+        trainer.train()
+    end = read_metrics(tmp_path / "run")[-1]
+    assert end["event"] == "end" and end["status"] == "failed" and end["skipped_steps"] == 2
+    assert end["step"] == 1  # steps completed: the second raised before it was counted
+    assert "TrainingError: loss=nan" in end["error"] and "train.max_skipped_steps=2" in end["error"]
+
+
+def test_resume_after_a_crash_keeps_one_record_per_step(tmp_path, data_dir, make_config):
+    """The crashed run logged steps 4..6 (and died mid-line) but its step-6 checkpoint never committed:
+    the resumed run starts from step 3 and its records replace those, instead of repeating them."""
+    cfg = make_config(tmp_path, steps=6, save_interval=3, eval_interval=3, log_interval=1)
+    cfg.data.path = str(data_dir)
+    run = tmp_path / "run"
+    Trainer(cfg).train()
+    first = {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
+    shutil.rmtree(run / "checkpoints" / "step-00000006")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "loss": 4.2')  # killed mid-write
+    Trainer(cfg).train()
+    records = read_metrics(run)
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in records if "eval_loss" in r] == [0, 3, 6]
+    assert {r["step"]: r["loss"] for r in records if "loss" in r} == first  # resume is bit-identical
+    starts = [r["resumed_from_step"] for r in records if r.get("event") == "start"]
+    assert starts == [None, 3] and [r["step"] for r in records if r.get("event") == "end"] == [6, 6]
+
+
+def test_a_one_process_checkpoint_stores_each_weight_once(tmp_path, data_dir, make_config):
+    """LocalRuntime's fp32 master is the parameter: saved once, as the weight, and restored from it."""
+    cfg = make_config(tmp_path, steps=2, eval_interval=0, save_interval=2)
+    cfg.data.path = str(data_dir)
+    trainer = Trainer(cfg)
+    trainer.train()
+    info = inspect_checkpoint(tmp_path / "run" / "checkpoints")
+    params = dict(trainer.model.named_parameters())
+    assert not [n for n in info["tensors"] if n.endswith(".master")]
+    assert set(params) | {f"optim.{n}.exp_avg" for n in params} | {f"optim.{n}.exp_avg_sq" for n in params} \
+        <= set(info["tensors"])
+    param_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    assert info["total_bytes"] < 3.1 * param_bytes  # weight + two moments (+ router biases, step): not 4x
+    cfg.train.steps = 3
+    resumed = Trainer(cfg)
+    resumed.maybe_resume()
+    for name, p in resumed.model.named_parameters():
+        assert torch.equal(p, params[name]), name
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    from moe_train.data import prepare_data, stdlib_documents
+
+    root = tmp_path_factory.mktemp("two_ranks")
+    data = prepare_data(list(stdlib_documents(100_000)), root / "data", vocab_size=512, source="stdlib-test")
+    ports = [h.free_port() for _ in range(3)]
+    mp.spawn(h.run_guarded, args=(w.worker, str(root), ports, str(root), str(data)), nprocs=2, join=True)
+    return h.load_results(root, 2)
+
+
+@pytest.mark.slow
+def test_the_async_writers_barrier_fails_after_the_collective_timeout(two_ranks):
+    """Bounds how long a rank whose loop raised waits for its save in flight when a peer is gone."""
+    got = two_ranks[0]["barrier"]
+    assert got["result"] != "returned" and 1.5 < got["seconds"] < 10, got
+
+
+@pytest.mark.slow
+def test_a_damaged_shard_fails_the_resume_on_every_rank_at_once(two_ranks):
+    """Rank 1's checksum error reaches rank 0 at the load, not as a collective timeout later."""
+    mine, peer = two_ranks[1]["corrupt"], two_ranks[0]["corrupt"]
+    assert mine["error"] == "ChecksumMismatchError" and "shard-00001-of-00002" in mine["message"], mine
+    assert peer["error"] == "PeerCheckpointError" and "failed on rank 1 of 2" in peer["message"], peer
+    assert peer["seconds"] < 5, peer  # parallel.collective_timeout_s=5 would be the other way to find out
