@@ -54,7 +54,7 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("T,k,E", [(1, 1, 1), (333, 2, 8), (16383, 8, 128), (1025, 8, 256), (5, 3, 1000)])
+@pytest.mark.parametrize("T,k,E", [(1, 1, 1), (333, 2, 8), (16383, 8, 128), (1025, 8, 256), (5, 3, 1000), (200, 3, 1000), (65537, 8, 128)])
 def test_triton_route_map_equals_reference(T, k, E):
     g = torch.Generator().manual_seed(T + E)
     ids = routing(T, E, k, tuple(range(0, E, 7)) if E > 8 else (), g).cuda()

@@ -21,7 +21,8 @@ except Exception:
 
 
 def _check_route_map(torch, moe):
-    for T, k, E, empty in [(37, 3, 5, (1, 3)), (300, 4, 256, ()), (1, 1, 1, ())]:
+    # (200, 3, 1000): 38 blocks against a scan tile of 32, so the scan loops over two tiles
+    for T, k, E, empty in [(37, 3, 5, (1, 3)), (300, 4, 256, ()), (1, 1, 1, ()), (200, 3, 1000, (0, 999))]:
         g = torch.Generator().manual_seed(T)
         allowed = torch.tensor([e for e in range(E) if e not in empty])
         ids = allowed[torch.rand(T, len(allowed), generator=g).topk(k, dim=1).indices]

@@ -1,4 +1,4 @@
-"""Route map on the device: block histogram, one-program scan, stable scatter.
+"""Route map on the device: block histogram, one-program tiled scan, stable scatter.
 
 Rows are the flat (token, slot) indices t*k + s. Each block of rows counts its experts
 (histogram); one program turns the [blocks, experts] counts into per-expert offsets and the
@@ -38,19 +38,28 @@ def _block_histogram_kernel(
 
 @triton.jit
 def _scan_kernel(
-    hist_ptr, bad_ptr, base_ptr, counts_ptr, offsets_ptr, ok_ptr, NB, E, NB_P2: tl.constexpr, E_P2: tl.constexpr
+    hist_ptr, bad_ptr, base_ptr, counts_ptr, offsets_ptr, ok_ptr, NB, E, TILE: tl.constexpr, E_P2: tl.constexpr
 ):
-    blocks = tl.arange(0, NB_P2)
-    bad = tl.load(bad_ptr + blocks, mask=blocks < NB, other=0)
-    tl.store(ok_ptr, (tl.sum(bad, axis=0) == 0).to(tl.int32))
+    """Two passes over the [NB, E] block counts, TILE blocks at a time: per-expert totals (and the
+    bad-id flag), then each (block, expert)'s first destination row."""
     experts = tl.arange(0, E_P2)
-    idx = blocks[:, None] * E_P2 + experts[None, :]
-    bmask = blocks[:, None] < NB
-    h = tl.load(hist_ptr + idx, mask=bmask, other=0)
-    counts = tl.sum(h, axis=0)
+    counts = tl.zeros([E_P2], dtype=tl.int32)
+    nbad = tl.zeros([TILE], dtype=tl.int32)
+    for b0 in range(0, NB, TILE):
+        blocks = b0 + tl.arange(0, TILE)
+        bmask = blocks < NB
+        nbad += tl.load(bad_ptr + blocks, mask=bmask, other=0)
+        counts += tl.sum(tl.load(hist_ptr + blocks[:, None] * E_P2 + experts[None, :], mask=bmask[:, None], other=0), axis=0)
+    tl.store(ok_ptr, (tl.sum(nbad, axis=0) == 0).to(tl.int32))
     ends = tl.cumsum(counts, axis=0)
-    base = (ends - counts)[None, :] + tl.cumsum(h, axis=0) - h
-    tl.store(base_ptr + idx, base, mask=bmask)
+    run = ends - counts
+    for b0 in range(0, NB, TILE):
+        blocks = b0 + tl.arange(0, TILE)
+        bmask = blocks[:, None] < NB
+        idx = blocks[:, None] * E_P2 + experts[None, :]
+        h = tl.load(hist_ptr + idx, mask=bmask, other=0)
+        tl.store(base_ptr + idx, run[None, :] + tl.cumsum(h, axis=0) - h, mask=bmask)
+        run += tl.sum(h, axis=0)
     emask = experts < E
     tl.store(counts_ptr + experts, counts, mask=emask)
     tl.store(offsets_ptr + experts, ends, mask=emask)
@@ -89,9 +98,12 @@ def route_map_tensors(expert_ids: torch.Tensor, num_experts: int):
     dev = ids.device
     e_p2 = triton.next_power_of_2(num_experts)
     chunk = max(16, min(64, 16384 // e_p2))
-    nb_max = max(8, min(128, 32768 // e_p2))
+    # many short blocks, so the histogram and the scatter fill the GPU at large T (the scan loops
+    # over the block counts in tiles of at most 32768 entries)
+    nb_max = max(8, min(2048, 262144 // e_p2))
     chunks = triton.next_power_of_2(max(1, triton.cdiv(R, nb_max * chunk)))
     nb = max(1, triton.cdiv(R, chunk * chunks))
+    scan_tile = max(1, min(triton.next_power_of_2(nb), 32768 // e_p2))
     hist = torch.empty(nb, e_p2, dtype=torch.int32, device=dev)
     bad = torch.empty(nb, dtype=torch.int32, device=dev)
     ids_ok = torch.empty((), dtype=torch.int32, device=dev)
@@ -103,8 +115,6 @@ def route_map_tensors(expert_ids: torch.Tensor, num_experts: int):
     warps = 8 if e_p2 * chunk >= 8192 else 4
     E = num_experts
     _block_histogram_kernel[(nb,)](ids, hist, bad, R, E, E_P2=e_p2, CHUNK=chunk, CHUNKS=chunks, num_warps=warps)
-    _scan_kernel[(1,)](
-        hist, bad, base, counts, offsets, ids_ok, nb, E, NB_P2=triton.next_power_of_2(nb), E_P2=e_p2, num_warps=8
-    )
+    _scan_kernel[(1,)](hist, bad, base, counts, offsets, ids_ok, nb, E, TILE=scan_tile, E_P2=e_p2, num_warps=8)
     _scatter_kernel[(nb,)](ids, base, dest_row, sort_order, R, E, E_P2=e_p2, CHUNK=chunk, CHUNKS=chunks, num_warps=warps)
     return counts, offsets, sort_order, dest_row, ids_ok
