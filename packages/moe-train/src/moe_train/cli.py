@@ -12,6 +12,7 @@ import sys
 from moe_ckpt import CheckpointError
 from moe_train.config import ConfigError
 from moe_train.config_io import build_config, parse_overrides
+from moe_train.trainer.errors import TrainingError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -160,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, FileExistsError, NotADirectoryError, CheckpointError) as e:
         print(f"moe-train: error: {e}", file=sys.stderr)
         return 2
+    except TrainingError as e:  # the run started but could not go on (non-finite losses)
+        print(f"moe-train: training stopped: {e}", file=sys.stderr)
+        return 1
     except ValueError as e:
         from moe_ckpt.hf import HFConversionError
         from moe_train.data import DataError

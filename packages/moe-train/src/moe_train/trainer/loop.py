@@ -22,10 +22,7 @@ from moe_train.trainer.mfu import peak_tflops
 from moe_train.trainer.runtime import Runtime
 from moe_train.trainer.launch import make_runtime
 from moe_train.trainer.schedule import lr_at
-
-
-class TrainingError(RuntimeError):
-    pass
+from moe_train.trainer.errors import TrainingError
 
 
 def pick_device(name: str) -> torch.device:
