@@ -89,3 +89,21 @@ def test_prepare_refuses_to_replace_a_folder_that_is_not_a_data_folder(tmp_path,
     with pytest.raises(FileNotFoundError):
         prepare_data(docs, tmp_path / "f", tokenizer_path=str(tmp_path / "missing.json"))
     assert not [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]  # nothing half-written left behind
+
+
+def test_bpe_cuts_long_unbroken_runs_and_leaves_ordinary_text_alone():
+    """BPE training is quadratic in a word's length: one long unbroken line (minified code, base64)
+    is cut into pieces of at most MAX_WORD_CHARS before training; ordinary text splits as plain
+    byte-level BPE does, and text round-trips exactly."""
+    from tokenizers import pre_tokenizers
+
+    from moe_train.data.prepare import MAX_WORD_CHARS, train_bpe
+
+    line = "".join("abcdefghij"[(i * 7919) % 10] for i in range(20_000))
+    text = "def f(x):\n    return x ** 2  # square\n\n" + line + " tail"
+    tok = train_bpe([text], 300)
+    pieces = [p for p, _ in tok.pre_tokenizer.pre_tokenize_str(text)]
+    assert max(len(p) for p in pieces) <= MAX_WORD_CHARS
+    ordinary = "Hello world,  this is a   test of def f(x): return x**2 # ok\n\tdone"
+    assert tok.pre_tokenizer.pre_tokenize_str(ordinary) == pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(ordinary)
+    assert tok.decode(tok.encode(text).ids) == text

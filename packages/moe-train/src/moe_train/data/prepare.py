@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from moe_train.data.token_file import FORMAT, DataError, write_meta, write_split
 
@@ -34,9 +34,18 @@ def split_blocks(stream: np.ndarray, eval_fraction: float, block: int) -> tuple[
     return stream[~mask], stream[mask]
 
 
+# Runs of non-space characters are cut into pieces of at most this many before the byte-level
+# split: BPE training is quadratic in a word's length, so one long unbroken line (minified code,
+# base64) took minutes per megabyte. Ordinary words are far shorter and split as before.
+MAX_WORD_CHARS = 256
+
+
 def train_bpe(docs: Iterable[str], vocab_size: int) -> Tokenizer:
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(rf"\S{{{MAX_WORD_CHARS}}}"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
