@@ -148,17 +148,16 @@ def test_push_to_hub_creates_and_uploads_the_folder(tmp_path, monkeypatch):
 
 
 def test_tokenizer_files_load_with_auto_tokenizer(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=60, special_tokens=["<|endoftext|>"],
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["hello world, mixture of experts"] * 20, trainer)
+    """prepare-data's own tokenizer (byte-level BPE behind a cut of long non-space runs) loads in
+    transformers and encodes as it does."""
+    from moe_train.data import train_bpe
+
+    tok = train_bpe(["hello world, mixture of experts"] * 20, 300)
     tok.save(str(tmp_path / "tokenizer.json"))
     model = make_model(vocab_size=tok.get_vocab_size() + 4, num_experts=0)
     export_hf_folder(dataclasses.asdict(model.cfg), model.state_dict(), tmp_path / "hf",
                      tokenizer_json=tmp_path / "tokenizer.json", extra_config={"eos_token_id": 0})
     auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
-    assert auto("hello world")["input_ids"] == tok.encode("hello world").ids
+    for text in ("hello world", "x" * 700 + " hello"):
+        assert auto(text)["input_ids"] == tok.encode(text).ids
     assert auto.eos_token == "<|endoftext|>"
