@@ -54,16 +54,16 @@ def test_sampler_ranks_split_the_global_batch():
 
 
 def test_eval_windows_and_their_average_do_not_depend_on_the_batch_size():
-    """Equal batches: the mean of batch means is the mean over windows, whatever the micro-batch size."""
+    """The same windows for any batch size, and batch means weighted by batch size give the mean over windows."""
     tokens = np.arange(1000, dtype=np.uint32)
     ref = eval_windows(tokens, 16, 12, 1)
     ref_x = torch.cat([x for x, _ in ref])
     for max_batch in (2, 5, 7, 12, 64):
         got = eval_windows(tokens, 16, 12, max_batch)
-        assert len({x.shape[0] for x, _ in got}) == 1  # 12 windows at most 5 a batch: 3 x 4, not 5 + 5 + 2
+        assert [x.shape[0] for x, _ in got] == [min(max_batch, 12 - b) for b in range(0, 12, max_batch)]
         assert torch.equal(torch.cat([x for x, _ in got]), ref_x)
-        batch_means = torch.stack([x.double().mean() for x, _ in got])
-        assert torch.allclose(batch_means.mean(), ref_x.double().mean())
+        weighted = sum(x.double().mean() * x.shape[0] for x, _ in got) / 12
+        assert torch.allclose(weighted, ref_x.double().mean())
     assert eval_windows(tokens[:5], 16, 12, 4) == []  # fewer tokens than one window: no eval set
 
 

@@ -56,15 +56,14 @@ class WindowSampler:
 
 
 def eval_windows(tokens: np.ndarray, seq_len: int, num_windows: int, max_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The eval set: min(num_windows, all) windows evenly spread over the split, as (inputs, targets) [b, S].
-
-    Every batch has the same size b (the largest divisor of the window count <= max_batch_size), so the
-    mean of the batch losses is the mean over the windows: neither the set nor the average depends on
-    the micro-batch size or the parallel layout, only the float reduction order does."""
+    """The eval set: min(num_windows, all) windows evenly spread over the split, as (inputs, targets)
+    batches of at most max_batch_size windows (the last may be smaller). Average the batch losses
+    weighted by batch size: then neither the set nor the mean depends on the micro-batch size or
+    the parallel layout, only the float reduction order does."""
     n = (tokens.size - 1) // seq_len
     want = max(0, min(n, num_windows))
     idx = np.linspace(0, n - 1, want).astype(np.int64) if want else np.zeros(0, dtype=np.int64)
-    size = max((b for b in range(1, min(max_batch_size, want) + 1) if want % b == 0), default=1)
+    size = max(1, max_batch_size)
     out = []
     for b in range(0, want, size):
         rows = [np.asarray(tokens[i * seq_len : i * seq_len + seq_len + 1], dtype=np.int64) for i in idx[b : b + size]]

@@ -74,12 +74,12 @@ class Trainer:
     def evaluate(self) -> float:
         self.model.eval()
         total = torch.zeros((), device=self.device)
-        for x, y in self.eval_data:
+        for x, y in self.eval_data:  # the mean over windows: batch means weighted by batch size
             with self._amp():
                 ce, _ = self.model.loss(x.to(self.device), y.to(self.device))
-            total += ce.float()
+            total += ce.float() * x.shape[0]
         self.model.train()
-        return float(total) / max(1, len(self.eval_data))
+        return float(total) / max(1, sum(x.shape[0] for x, _ in self.eval_data))
 
     def _train_step(self) -> dict[str, float]:
         t, rt = self.cfg.train, self.runtime
