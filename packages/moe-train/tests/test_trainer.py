@@ -39,18 +39,20 @@ def test_training_logs_checkpoints_and_resumes_bit_identically(tmp_path, data_di
     assert ckpts == ["step-00000003", "step-00000006"]
 
 
-def test_nan_loss_stops_with_a_clear_error(tmp_path, data_dir, make_config):
+def test_nan_loss_stops_with_a_clear_error_and_an_end_event_saying_why(tmp_path, data_dir, make_config):
+    from moe_train.trainer.errors import TrainingError
+
     cfg = make_config(tmp_path, max_skipped_steps=2, eval_interval=0, save_interval=0)
     cfg.data.path = str(data_dir)
     trainer = Trainer(cfg)
     with torch.no_grad():
         trainer.model.lm_head.weight.fill_(float("nan"))
-    try:
+    with pytest.raises(TrainingError, match="non-finite for 2 consecutive steps"):
         trainer.train()
-    except RuntimeError as e:
-        assert "non-finite for 2 consecutive steps" in str(e)
-    else:
-        raise AssertionError("a NaN loss must stop the run")
+    end = read_metrics(tmp_path / "run")[-1]
+    assert end["event"] == "end" and end["status"] == "failed" and end["skipped_steps"] == 2
+    assert end["step"] == 1  # steps completed: the second raised before it was counted
+    assert "TrainingError: loss=nan" in end["error"] and "train.max_skipped_steps=2" in end["error"]
 
 
 def test_async_save_resumes_like_sync_save(tmp_path, data_dir, make_config):

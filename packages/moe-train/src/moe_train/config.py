@@ -145,13 +145,21 @@ def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     _check(value in choices, name, value, f"one of {', '.join(choices)}")
 
 
-def _check_type(name: str, value: Any, annotation: Any) -> None:
-    """The value has the field's declared type; floats are finite (inf steps or timeouts never end)."""
+def optional_inner(annotation: Any) -> Any | None:
+    """T for a field declared `T | None` (or Optional[T]); None for any other annotation."""
     args = typing.get_args(annotation)
     if typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args:
+        return next(a for a in args if a is not type(None))
+    return None
+
+
+def _check_type(name: str, value: Any, annotation: Any) -> None:
+    """The value has the field's declared type; floats are finite (inf steps or timeouts never end)."""
+    inner = optional_inner(annotation)
+    if inner is not None:
         if value is None:
             return
-        annotation = next(a for a in args if a is not type(None))
+        annotation = inner
     if typing.get_origin(annotation) is list:
         _check(isinstance(value, list), name, value, "a list")
         for v in value:

@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from moe_train.config import REMOVED_FIELDS, Config, ConfigError, validate
+from moe_train.config import REMOVED_FIELDS, Config, ConfigError, optional_inner, validate
 from moe_train.presets import get_preset
 
 
@@ -19,13 +19,12 @@ def _field_types(obj: Any) -> dict[str, Any]:
 
 def _coerce(name: str, raw: Any, annotation: Any) -> Any:
     """Convert a YAML value or an override string to the field's declared type."""
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and type(None) in args:
+    inner = optional_inner(annotation)
+    if inner is not None:
         if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null")):
             return None
-        annotation = next(a for a in args if a is not type(None))
-        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+        annotation = inner
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is list:
         if isinstance(raw, str):
             raw = yaml.safe_load(raw) if raw.strip() else []
