@@ -96,7 +96,9 @@ def test_triton_moe_block_matches_reference_outputs_and_grads(case, dtype, tol):
         from moe_kernels.triton.ffn_kernels import BlockPlan, swiglu_ffn_routed
 
         for plan in (BlockPlan("grouped_mm", "triton", "triton", "grouped_mm", "grouped_mm", "triton"),
-                     BlockPlan("fused", "grouped_mm", "grouped_mm", "triton", "triton", "grouped_mm")):
+                     BlockPlan("fused", "grouped_mm", "grouped_mm", "triton", "triton", "grouped_mm"),
+                     BlockPlan("triton", "triton", "fused", "triton", "triton", "triton"),
+                     BlockPlan("triton", "grouped_mm", "triton", "grouped_mm", "grouped_mm", "grouped_mm")):
             others.append(run_block(
                 lambda x, w, a, b, plan=plan: swiglu_ffn_routed(x, w, a, b, rm.offsets, rm.sort_order, rm.dest_row, plan),
                 leaves, dtype, "cuda", grad_out))

@@ -133,6 +133,8 @@ def _check_block_plans(torch, moe):
         ALL_GROUPED_MM,
         BlockPlan("grouped_mm", "triton", "triton", "grouped_mm", "grouped_mm", "triton"),
         BlockPlan("fused", "grouped_mm", "grouped_mm", "triton", "triton", "grouped_mm"),
+        BlockPlan("triton", "triton", "fused", "triton", "triton", "triton"),
+        BlockPlan("triton", "grouped_mm", "triton", "grouped_mm", "grouped_mm", "grouped_mm"),
     ]
     T, d, h, E, k = 29, 24, 40, 6, 2
     g = torch.Generator().manual_seed(5)

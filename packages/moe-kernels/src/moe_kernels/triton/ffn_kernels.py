@@ -8,8 +8,9 @@ backward  dy = w * g[token], gw = <g, y>         one kernel per token
           dW2 = act^T dy                         wgrad2
           dxs = d_pre @ W1^T                     dgrad1, then gx[t] = sum_s dxs[dest[t,s]]
           dW1 = gather(x)^T d_pre                wgrad1
-A `BlockPlan` says how each GEMM runs: on our Triton kernels (fwd1 with the gather in its
-A-load and SwiGLU in its epilogue, dgrad2 with SwiGLU' in its epilogue, or plain GEMMs
+A `BlockPlan` says how each GEMM runs: on our Triton kernels (fwd1 with SwiGLU in its
+epilogue, reading x through the gather in its A-load or the permuted rows through tensor
+descriptors; dgrad2 with SwiGLU' in its epilogue; or plain GEMMs
 followed by one elementwise SwiGLU pass) or on torch grouped_mm (cuBLAS/CUTLASS), which
 needs the rows permuted first. The routing weight is applied in the combine rather than in
 fwd2's epilogue: the combine reads y anyway, and backward needs the unweighted y for the
@@ -30,10 +31,12 @@ from moe_kernels.triton.swiglu_kernels import swiglu_backward, swiglu_forward
 @dataclass(frozen=True)
 class BlockPlan:
     """How each GEMM of the block runs. "fused": Triton with the block's fusion (fwd1: gather +
-    SwiGLU epilogue; dgrad2: SwiGLU' epilogue); "triton": our plain Triton grouped GEMM (plus an
-    elementwise SwiGLU pass where one is due); "grouped_mm": torch grouped_mm."""
+    SwiGLU epilogue; dgrad2: SwiGLU' epilogue); "triton": our Triton grouped GEMM without the
+    gather (fwd1: on the permuted rows, read through tensor descriptors, with the SwiGLU
+    epilogue; elsewhere plus an elementwise SwiGLU pass where one is due); "grouped_mm": torch
+    grouped_mm."""
 
-    fwd1: Literal["fused", "grouped_mm"] = "fused"
+    fwd1: Literal["fused", "triton", "grouped_mm"] = "fused"
     fwd2: Literal["triton", "grouped_mm"] = "triton"
     dgrad2: Literal["fused", "triton", "grouped_mm"] = "fused"
     wgrad2: Literal["triton", "grouped_mm"] = "triton"
@@ -41,7 +44,7 @@ class BlockPlan:
     wgrad1: Literal["triton", "grouped_mm"] = "triton"
 
     def __post_init__(self):
-        allowed = {"fwd1": ("fused", "grouped_mm"), "dgrad2": ("fused", "triton", "grouped_mm")}
+        allowed = {"fwd1": ("fused", "triton", "grouped_mm"), "dgrad2": ("fused", "triton", "grouped_mm")}
         for f in fields(self):
             ok = allowed.get(f.name, ("triton", "grouped_mm"))
             if getattr(self, f.name) not in ok:
@@ -49,8 +52,9 @@ class BlockPlan:
 
     @property
     def needs_sorted_rows(self) -> bool:
-        """Whether the permuted input rows are materialised (grouped_mm cannot gather)."""
-        return self.fwd1 == "grouped_mm" or self.wgrad1 == "grouped_mm"
+        """Whether the permuted input rows are materialised (grouped_mm cannot gather; fwd1
+        "triton" reads them through tensor descriptors, which cannot gather either)."""
+        return self.fwd1 != "fused" or self.wgrad1 == "grouped_mm"
 
 
 ALL_TRITON = BlockPlan()
@@ -81,12 +85,13 @@ class SwigluFFNFn(torch.autograd.Function):
         n_rows = sort_order.shape[0] if routed else x.shape[0]
         h = w2.shape[1]
         xs = scatter_rows(x, dest_row, top_k) if routed and plan.needs_sorted_rows else (None if routed else x)
-        if plan.fwd1 == "fused":
+        if plan.fwd1 != "grouped_mm":
+            gathered = routed and plan.fwd1 == "fused"
             pre = torch.empty(n_rows, 2 * h, dtype=x.dtype, device=x.device)
             act = torch.empty(n_rows, h, dtype=x.dtype, device=x.device)
             grouped_gemm_launch(
-                x, w1, offsets, out_cols=h, c=act, gather=sort_order if routed else None, top_k=top_k,
-                epilogue=1, aux=pre, swiglu_h=h,
+                x if gathered else xs, w1, offsets, out_cols=h, c=act, gather=sort_order if gathered else None,
+                top_k=top_k, epilogue=1, aux=pre, swiglu_h=h,
             )
         else:
             pre = gemm(xs, w1, offsets, "grouped_mm")
@@ -142,7 +147,8 @@ def tune_block_plan(x, w1, w2, offsets, sort_order, dest_row, top_k) -> BlockPla
     """Time every GEMM of the block both ways on these inputs (our Triton kernels, each already
     tuned, against torch grouped_mm with the elementwise passes and the row permutation it
     needs) and return the fastest plan. fwd1 and wgrad1 are chosen together: grouped_mm in
-    either needs the permuted rows materialised, which the fused gather avoids."""
+    either, or fwd1 on our kernel without the gather, needs the permuted rows materialised,
+    which the fused gather avoids."""
     import triton.testing
 
     def bench(fn):
@@ -159,15 +165,17 @@ def tune_block_plan(x, w1, w2, offsets, sort_order, dest_row, top_k) -> BlockPla
     w1t, w2t = w1.transpose(1, 2), w2.transpose(1, 2)
     E = w1.shape[0]
 
-    def fwd1_fused():
-        grouped_gemm_launch(x, w1, offsets, out_cols=h, c=torch.empty_like(act), gather=sort_order if routed else None,
+    def fwd1_fused(rows_in_order: bool):
+        grouped_gemm_launch(xs if rows_in_order else x, w1, offsets, out_cols=h, c=torch.empty_like(act),
+                            gather=sort_order if routed and not rows_in_order else None,
                             top_k=top_k, epilogue=1, aux=torch.empty_like(pre), swiglu_h=h)
 
     def dgrad2_fused():
         grouped_gemm_launch(dy, w2t, offsets, out_cols=h, c=torch.empty_like(pre), epilogue=2, aux=pre, swiglu_h=h)
 
     t_scatter = bench(lambda: scatter_rows(x, dest_row, top_k)) if routed else 0.0
-    t_fwd1 = {"fused": bench(fwd1_fused), "grouped_mm": bench(lambda: swiglu_forward(gemm(xs, w1, offsets, "grouped_mm")))}
+    t_fwd1 = {"fused": bench(lambda: fwd1_fused(False)), "grouped_mm": bench(lambda: swiglu_forward(gemm(xs, w1, offsets, "grouped_mm")))}
+    t_fwd1["triton"] = bench(lambda: fwd1_fused(True)) if routed else t_fwd1["fused"]
     t_w1 = {impl: bench(lambda impl=impl: wgrad(xs, d_pre, offsets, E, impl, w1.dtype)) for impl in ("triton", "grouped_mm")}
     if routed:
         t_w1_gather = bench(lambda: grouped_wgrad_launch(x, d_pre, offsets, E, gather=sort_order, top_k=top_k, out_dtype=w1.dtype))
@@ -176,9 +184,10 @@ def tune_block_plan(x, w1, w2, offsets, sort_order, dest_row, top_k) -> BlockPla
     combos = {
         ("fused", "triton"): t_fwd1["fused"] + t_w1_gather,
         ("fused", "grouped_mm"): t_fwd1["fused"] + t_scatter + t_w1["grouped_mm"],
-        ("grouped_mm", "triton"): t_scatter + t_fwd1["grouped_mm"] + t_w1["triton"],
-        ("grouped_mm", "grouped_mm"): t_scatter + t_fwd1["grouped_mm"] + t_w1["grouped_mm"],
     }
+    for impl in ("triton", "grouped_mm") if routed else ("grouped_mm",):  # without routing "triton" is "fused"
+        for w1_impl in ("triton", "grouped_mm"):
+            combos[(impl, w1_impl)] = t_scatter + t_fwd1[impl] + t_w1[w1_impl]
     fwd1, wgrad1 = min(combos, key=combos.get)
     both = ("triton", "grouped_mm")
     t_fwd2 = {impl: bench(lambda impl=impl: gemm(act, w2, offsets, impl)) for impl in both}

@@ -15,6 +15,8 @@ over that expert's rows; empty experts get zeros.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -242,10 +244,17 @@ _CPU_GEMM = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, tma=False)]
 _CPU_WGRAD = [dict(BLOCK_K=64, BLOCK_N=64, BLOCK_R=64, tma=False)]
 
 
+@functools.cache
+def _cuda_properties(index: int) -> tuple[int, tuple[int, int]]:
+    """(SM count, compute capability) of a CUDA device, read once: the launches ask on every call."""
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, (props.major, props.minor)
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_properties(device.index if device.index is not None else torch.cuda.current_device())[0]
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -254,7 +263,7 @@ def _precision(dtype: torch.dtype) -> str:
 
 def _tma_capable(t: torch.Tensor) -> bool:
     """Whether tensor descriptors can be built for `t` at all (16-bit data on a GPU with TMA)."""
-    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(t.device) >= (9, 0)
+    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and _cuda_properties(t.device.index)[1] >= (9, 0)
 
 
 def _descriptor(t: torch.Tensor, block: list[int]):
