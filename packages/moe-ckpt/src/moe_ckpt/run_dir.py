@@ -1,9 +1,10 @@
 """A run directory of checkpoints: the `latest` pointer, discovery and retention.
 
     run/
-      step-00000100/      committed: index.json present, name has no ".tmp"
+      step-00000100/      committed: index.json present, named exactly as step_dir names it
       step-00000200.tmp/  a save in progress or a crashed one: always ignored, removed by the next save
       latest              text file holding "step-00000100", replaced atomically
+      step-00000100.bak/  any other name (a user's copy, a folder of notes): never listed, resumed or deleted
 
 A checkpoint directory is only ever renamed into place after its index.json (written
 last) is fsynced, so "has index.json and no .tmp in its name" means complete. One save at a
@@ -54,17 +55,17 @@ def is_complete(path: Path) -> bool:
     return TMP_MARK not in path.name and (path / INDEX).is_file()
 
 
-def _natural_key(name: str) -> list:
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
-
-
 def list_checkpoints(root: str | Path) -> list[Path]:
-    """Committed checkpoints under `root`, oldest first by name (step numbers compare as numbers)."""
+    """Committed checkpoints under `root`, oldest step first.
+
+    Only folders named as step_dir names them: a copy such as step-00000003.bak or a folder
+    backup-before-lr-change holds an index.json too, but is the user's (retention never deletes
+    it, find_latest never returns it)."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and is_complete(p)]
-    return sorted(found, key=lambda p: _natural_key(p.name))
+    found = [(step, p) for p in root.iterdir() if (step := step_of(p)) is not None and p.is_dir() and is_complete(p)]
+    return [p for _, p in sorted(found)]
 
 
 def read_latest(root: Path) -> Path | None:
@@ -80,9 +81,9 @@ def read_latest(root: Path) -> Path | None:
 def find_latest(root: str | Path) -> Path | None:
     """Resolve a run directory to its latest committed checkpoint, or None if it has none.
 
-    The newest committed checkpoint by name. `latest` names it after every save, but a crash
-    between a checkpoint's rename into place and the pointer update leaves the pointer one
-    behind: the newer complete checkpoint wins (to roll back, move newer checkpoints away).
+    The committed checkpoint of the highest step (list_checkpoints). `latest` names it after every
+    save, but a crash between a checkpoint's rename into place and the pointer update leaves the
+    pointer one behind: the newer complete checkpoint wins (to roll back, move newer checkpoints away).
     Partial `.tmp` directories are never returned.
     """
     found = list_checkpoints(root)
@@ -139,7 +140,8 @@ def remove_checkpoint(path: Path) -> None:
 
 
 def apply_retention(root: str | Path, keep_last_n: int) -> list[Path]:
-    """Remove all but the last `keep_last_n` committed checkpoints (never the `latest` target)."""
+    """Remove all but the last `keep_last_n` committed checkpoints (never the `latest` target, never a
+    folder list_checkpoints does not list)."""
     if keep_last_n < 1:
         raise ValueError(f"keep_last_n={keep_last_n} must be >= 1")
     root = Path(root)

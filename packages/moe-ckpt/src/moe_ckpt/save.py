@@ -64,7 +64,7 @@ def save_checkpoint(
     if world_size > 1 and barrier is None:
         raise ValueError(f"world_size={world_size} needs a barrier callable (e.g. torch.distributed.barrier)")
     Checksum(checksum)
-    if path.exists():
+    if path.exists() or path.is_symlink():
         raise FileExistsError(f"checkpoint {path} already exists; pick a new directory or delete it")
     barrier = barrier or (lambda: None)
     tmp = tmp_dir_for(path)
@@ -105,6 +105,9 @@ def save_checkpoint(
 def _prepare(tmp: Path, metadata: dict | None) -> None:
     json.dumps(metadata or {})  # fail before any rank writes if metadata is not JSON
     remove_leftovers(tmp.parent)
+    if tmp.is_symlink() or (tmp.exists() and not tmp.is_dir()):  # not ours: neither followed nor deleted
+        what = f"a symbolic link to {os.readlink(tmp)}" if tmp.is_symlink() else "a file"
+        raise CheckpointError(f"{tmp} is {what}; the save writes its temporary folder there: move it away")
     if tmp.exists():  # a crashed earlier attempt at the same path, if its name is not step-N
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -112,8 +115,8 @@ def _prepare(tmp: Path, metadata: dict | None) -> None:
 
 
 def _write_rank(tmp: Path, shards: Sequence[ShardSpec], rank: int, world_size: int, algorithm: str) -> None:
-    if not tmp.is_dir():
-        raise CheckpointError(f"rank {rank}: {tmp} does not exist; rank 0 failed to create it "
+    if not _is_own_dir(tmp):
+        raise CheckpointError(f"rank {rank}: {tmp} is not a folder; rank 0 failed to create it "
                               f"({_read_errors(tmp) or 'or the ranks do not share a file system'})")
     entries, pieces, seen = [], [], set()
     for s in shards:
@@ -174,15 +177,20 @@ def _writer_version() -> str:
         return "moe-ckpt (not installed)"
 
 
+def _is_own_dir(tmp: Path) -> bool:
+    """A real folder: a symlink at the tmp name points at something else, never written through."""
+    return tmp.is_dir() and not tmp.is_symlink()
+
+
 def _record_error(tmp: Path, rank: int, e: BaseException) -> None:
     try:
-        if tmp.is_dir():
+        if _is_own_dir(tmp):
             (tmp / f"rank-{rank:05d}.error").write_text("".join(traceback.format_exception_only(e)).strip())
     except OSError:
         pass
 
 
 def _read_errors(tmp: Path) -> str:
-    if not tmp.is_dir():
+    if not _is_own_dir(tmp):
         return ""
     return "; ".join(f"{p.stem}: {p.read_text()}" for p in sorted(tmp.glob("rank-*.error")))

@@ -91,6 +91,30 @@ def check_same_model(path: Path, cfg: Config) -> None:
                           "use the checkpoint's settings or a new train.run_dir")
 
 
+def eval_set_change(saved: dict[str, Any], cfg: Config, split_windows: int, step: int) -> str | None:
+    """A one-line warning when this run, resumed at `step`, evaluates on another set of windows than the
+    run that wrote the checkpoint (saved: its stored config); None when the eval losses stay comparable.
+
+    Both sets are min(asked, split_windows) windows spread evenly over the eval split. moe-train 0.3.0
+    stored train.eval_batches (eval_batches x micro_batch_size windows); 0.4.0 renamed it
+    train.eval_windows, whose default of 64 differs from most old sets."""
+    t = saved.get("train", {})
+    if not t.get("eval_interval"):
+        return None  # the checkpoint's run logged no eval losses to compare with
+    if "eval_windows" in t:
+        asked = int(t["eval_windows"])
+    elif "eval_batches" in t:
+        asked = int(t["eval_batches"]) * int(t["micro_batch_size"])
+    else:
+        return None
+    before, now = min(asked, split_windows), min(cfg.train.eval_windows, split_windows)
+    if before == now:
+        return None
+    return (f"eval losses before and after step {step} are not comparable: the run that wrote the checkpoint "
+            f"evaluated {before} windows, this one evaluates {now} (train.eval_windows={cfg.train.eval_windows}); "
+            f"set train.eval_windows={before} to keep the old eval set")
+
+
 def check_not_an_import(run_dir: str | Path) -> None:
     """An `import-hf` output holds weights the trainer does not start from (yet): training there
     would silently begin from a random init, so it is refused."""

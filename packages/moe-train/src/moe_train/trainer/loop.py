@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from tqdm import tqdm
 from moe_train.config import Config, ConfigError, validate
 from moe_train.data import DataError, WindowSampler, eval_windows, open_data
 from moe_train.model import Transformer, count_params, flops_per_token
-from moe_ckpt import AsyncCheckpointer, capture_rng_state, restore_rng_state
+from moe_ckpt import AsyncCheckpointer, capture_rng_state, restore_rng_state, step_of
 from moe_train.trainer import checkpoint as ckpt
 from moe_train.trainer.data_setup import resolve_data_dir
 from moe_train.trainer.metrics import MetricsLog, peak_memory_gib, router_health
@@ -48,6 +49,7 @@ class Trainer:
         self.meta, splits = open_data(data_dir, cfg.model.vocab_size)
         self.sampler = WindowSampler(splits["train"].tokens, cfg.data.seq_len, cfg.data.seed)
         self.eval_data = eval_windows(splits["eval"].tokens, cfg.data.seq_len, t.eval_windows, t.micro_batch_size)
+        self.eval_split_windows = (splits["eval"].tokens.size - 1) // cfg.data.seq_len  # eval_windows' upper bound
         if t.eval_interval > 0 and not self.eval_data:
             raise DataError(f"{data_dir}: the eval split has {splits['eval'].tokens.size} tokens, fewer than one window "
                             f"of data.seq_len+1={cfg.data.seq_len + 1}; prepare more data, shorten data.seq_len, "
@@ -135,45 +137,75 @@ class Trainer:
                          self.cfg.train.keep_last, self.async_saver, self.save_barrier)
 
     def maybe_resume(self) -> Path | None:
-        """Load the run's latest checkpoint when resuming is on; returns its path, or None.
+        """Load the run's latest checkpoint when resuming is on; returns its path, or None."""
+        path = self.resume_point()
+        if path is not None:
+            self.restore(path)
+        return path
 
-        Refused, before any step runs: a checkpoint of another model (or sequence length), and
-        checkpoint folders past the step this run starts from (it would have to write over them)."""
+    def resume_point(self) -> Path | None:
+        """The checkpoint this run resumes from (None: it starts at step 0), after the checks that refuse
+        to start: a checkpoint of another model (or sequence length), and checkpoint folders past the
+        step this run starts from (it would have to write over them). Reads metadata only."""
         path = ckpt.latest(self.run_dir) if self.cfg.train.resume else None
         if path is None:
             ckpt.check_not_an_import(self.run_dir)
         else:
             ckpt.check_same_model(path, self.cfg)
-            meta = ckpt.load(path, self.runtime, self.model)
-            self.step = int(meta["step"])
-            self.skipped_steps = int(meta["skipped_steps"])
-            self.sampler.load_state_dict(meta["sampler"])
-            if meta["layout"]["world_size"] == self.runtime.world_size:
-                restore_rng_state(meta["rng"])  # another layout draws its own random streams
         if self.cfg.train.save_interval > 0:  # a run that saves nothing writes over nothing
-            ckpt.check_no_checkpoints_after(self.run_dir, self.step, self.cfg.train.resume)
+            ckpt.check_no_checkpoints_after(self.run_dir, step_of(path) if path else 0, self.cfg.train.resume)
         return path
+
+    def restore(self, path: Path) -> None:
+        """Load weights, optimizer, step, sampler and (same world size) RNG state from checkpoint `path`."""
+        meta = ckpt.load(path, self.runtime, self.model)
+        self.step = int(meta["step"])
+        self.skipped_steps = int(meta["skipped_steps"])
+        self.sampler.load_state_dict(meta["sampler"])
+        if meta["layout"]["world_size"] == self.runtime.world_size:
+            restore_rng_state(meta["rng"])  # another layout draws its own random streams
+        if self.is_main and self.cfg.train.eval_interval > 0:
+            change = ckpt.eval_set_change(meta.get("config", {}), self.cfg, self.eval_split_windows, self.step)
+            if change:
+                warnings.warn(change, stacklevel=2)
 
     # -- the loop ---------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         """Resume if there is something to resume, train to train.steps, return a summary.
 
-        However the run ends, metrics.jsonl gets an end event (why it stopped, for an error or
-        Ctrl-C) and an async save in flight is settled first: it commits, or fails and leaves no
-        tmp folder (a second Ctrl-C stops the wait; the next save removes what is left)."""
+        However the run ends after its start event, metrics.jsonl gets an end event (why it stopped,
+        for an error or Ctrl-C) and an async save in flight is settled first: it commits, or fails
+        and leaves no tmp folder (a second Ctrl-C stops the wait; the next save removes what is left).
+        The runtime is closed (process groups destroyed) however train() ends."""
+        try:
+            summary = self._train()
+        except BaseException as e:
+            try:
+                self.runtime.close()
+            except Exception as err:  # noqa: BLE001 - e is the error to report
+                e.add_note(f"closing the runtime failed too: {type(err).__name__}: {err}")
+            raise
+        self.runtime.close()
+        return summary
+
+    def _train(self) -> dict[str, Any]:
         t, rt = self.cfg.train, self.runtime
-        resumed_from = self.maybe_resume()
-        resumed = resumed_from is not None
-        if resumed and self.is_main:
-            self.log.rewind(self.step)  # records past the checkpoint came from a run that died: this one rewrites them
-            if t.progress:
-                print(f"resumed from {resumed_from} at step {self.step} of {t.steps}", flush=True)
+        resume_from = self.resume_point()  # a refusal comes before anything is logged
+        resumed = resume_from is not None
         counts = count_params(self.cfg.model)
-        self.log.write({"event": "start", "resumed_from_step": self.step if resumed else None,
+        self.log.write({"event": "start", "resumed_from_step": step_of(resume_from) if resumed else None,
                         "params_total": counts.total, "params_active": counts.active,
                         "flops_per_token": self.flops_per_token, "world_size": rt.world_size,
                         "device": str(self.device)})
         try:
+            if resumed:
+                self.restore(resume_from)
+            if self.is_main:
+                # step records this run writes again: past the checkpoint (from a run that died after
+                # it), or all of them on a fresh start (a run that died before its first checkpoint)
+                self.log.rewind(self.step if resumed else -1)
+                if resumed and t.progress:
+                    print(f"resumed from {resume_from} at step {self.step} of {t.steps}", flush=True)
             with self.async_saver or nullcontext():
                 summary = self._run(resumed)
         except BaseException as e:
@@ -183,7 +215,6 @@ class Trainer:
         if stats is not None:
             self.log.write({"event": "async_save", "stall_s": stats.stall_s, "write_s": stats.write_s})
         self.log.write({"event": "end", "status": "completed", **summary})
-        rt.close()
         return summary
 
     def _log_stop(self, e: BaseException) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -20,31 +20,57 @@ class MetricsLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append `record` as one line. A last line without its "\n" (a process killed mid-write) is
+        dropped first, as rewind drops it: the file stays one JSON object per line."""
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        with open(self.path, "ab+") as f:
+            _drop_partial_line(f)
+            f.write((json.dumps(record) + "\n").encode())
             f.flush()
             os.fsync(f.fileno())
 
     def rewind(self, step: int) -> int:
         """Drop the records of steps after `step` (a run resumed there writes them again); returns how many.
 
+        step=-1: every step record, the step-0 eval too (a run starting afresh writes them all again).
         Events (start, end, async_save) stay: they are the history of the runs. A last line cut
-        short by a crash goes too. Rank 0 only; rewritten under a temporary name, then renamed."""
-        if not self.enabled or not self.path.is_file():
+        short by a crash goes too. Rank 0 only; rewritten under a temporary name, then renamed
+        (over the file a symlinked metrics.jsonl points to: the link stays)."""
+        path = Path(os.path.realpath(self.path))
+        if not self.enabled or not path.is_file():
             return 0
-        lines = self.path.read_text().splitlines(keepends=True)
+        lines = path.read_text().splitlines(keepends=True)
         keep = [line for line in lines if line.endswith("\n") and not _after(line, step)]  # no "\n": died mid-write
         if len(keep) == len(lines):
             return 0
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp = path.with_name(f".{path.name}.tmp")
         with open(tmp, "w") as f:
             f.writelines(keep)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        os.replace(tmp, path)
         return len(lines) - len(keep)
+
+
+def _drop_partial_line(f: BinaryIO) -> None:
+    """Truncate a file opened "ab+" after its last "\n" (to empty if it has none)."""
+    end = f.seek(0, os.SEEK_END)
+    if end == 0:
+        return
+    f.seek(end - 1)
+    if f.read(1) == b"\n":
+        return
+    pos = end
+    while pos > 0:
+        start = max(0, pos - 65536)
+        f.seek(start)
+        cut = f.read(pos - start).rfind(b"\n")
+        if cut >= 0:
+            f.truncate(start + cut + 1)
+            return
+        pos = start
+    f.truncate(0)
 
 
 def _after(line: str, step: int) -> bool:
