@@ -136,6 +136,15 @@ REMOVED_FIELDS = {
 }
 
 
+# Upper bounds on values that pass every range check yet fail deep inside torch or datetime with a traceback.
+INT64_MAX = 2**63 - 1  # torch and numpy take integers (seeds, sizes, divisors) as int64
+MAX_THREADS = 4096  # torch.set_num_threads takes a C int; far more than any machine's cores is a typo
+MAX_COLLECTIVE_TIMEOUT_S = 1e7  # about 116 days; datetime.timedelta overflows near 8.6e13 s
+# torch sizes a tensor's bytes in int64 ("Storage size calculation overflowed"): keep the widest
+# weight (d_model against the vocabulary, the attention heads or all experts' hidden rows) far below.
+MAX_WEIGHT_ELEMENTS = 2**48
+
+
 def _check(cond: bool, name: str, value: Any, expected: str) -> None:
     if not cond:
         raise ConfigError(f"{name}={value!r}: expected {expected}")
@@ -168,6 +177,7 @@ def _check_type(name: str, value: Any, annotation: Any) -> None:
         _check(isinstance(value, bool), name, value, "true or false")
     elif annotation is int:
         _check(isinstance(value, int) and not isinstance(value, bool), name, value, "an integer")
+        _check(-INT64_MAX - 1 <= value <= INT64_MAX, name, value, "an integer in [-2**63, 2**63 - 1] (64 bits)")
     elif annotation is float:
         _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value), name, value,
                "a finite number")
@@ -209,6 +219,13 @@ def validate(cfg: Config) -> Config:
         _check(1 <= r.top_k <= m.num_experts, "model.router.top_k", r.top_k,
                f"1 <= top_k <= model.num_experts={m.num_experts}")
     _check(m.shared_expert_hidden >= 0, "model.shared_expert_hidden", m.shared_expert_hidden, ">= 0")
+    widths = {"model.vocab_size": m.vocab_size, "model.num_heads x head_dim": m.num_heads * m.resolved_head_dim,
+              "model.dense_hidden": m.dense_hidden, "model.shared_expert_hidden": m.shared_expert_hidden,
+              "model.num_experts x expert_hidden": m.num_experts * m.expert_hidden}
+    widest = max(widths, key=widths.__getitem__)
+    _check(m.d_model * widths[widest] <= MAX_WEIGHT_ELEMENTS, widest, widths[widest],
+           f"model.d_model={m.d_model} times it <= 2**48 elements in one weight "
+           "(torch sizes a tensor's bytes in int64)")
     _choice("model.router.gating", r.gating, ("softmax", "sigmoid"))
     _choice("model.router.routing", r.routing, ("learned", "random", "uniform"))
     _choice("model.router.lb_loss_scope", r.lb_loss_scope, ("micro_batch", "global"))
@@ -237,12 +254,14 @@ def validate(cfg: Config) -> Config:
         _check(0 <= getattr(t, name) < 1, f"train.{name}", getattr(t, name), "in [0, 1)")
     _check(t.eps > 0, "train.eps", t.eps, "> 0")
     _check(t.seed >= 0, "train.seed", t.seed, "an integer >= 0")
-    _check(t.threads >= 0, "train.threads", t.threads, ">= 0 (0 leaves torch's default)")
+    _check(0 <= t.threads <= MAX_THREADS, "train.threads", t.threads,
+           f">= 0 and <= {MAX_THREADS} (0 leaves torch's default)")
     _choice("train.device", t.device, ("auto", "cpu", "cuda"))
     for name in ("dp", "ep", "pp"):
         _check(getattr(p, name) >= 1, f"parallel.{name}", getattr(p, name), "a positive integer")
     _choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
-    _check(p.collective_timeout_s > 0, "parallel.collective_timeout_s", p.collective_timeout_s, "a positive number of seconds")
+    _check(0 < p.collective_timeout_s <= MAX_COLLECTIVE_TIMEOUT_S, "parallel.collective_timeout_s",
+           p.collective_timeout_s, "a positive number of seconds <= 1e7 (about 116 days)")
     _choice("parallel.strategy", p.strategy, ("ddp", "fsdp"))
     _choice("parallel.param_dtype", p.param_dtype, ("fp32", "bf16"))
     if p.strategy == "fsdp":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from pathlib import Path
 from typing import Any
@@ -40,27 +41,42 @@ def _coerce(name: str, raw: Any, annotation: Any) -> Any:
             return raw.lower() in ("true", "1", "yes")
         raise ConfigError(f"{name}={raw!r}: expected true or false")
     if annotation is int:
-        if isinstance(raw, bool):
-            raise ConfigError(f"{name}={raw!r}: expected an integer")
-        try:
-            value = float(raw) if isinstance(raw, str) else raw
-            if float(value) != int(float(value)):
-                raise ValueError
-            return int(float(value))
-        except (TypeError, ValueError, OverflowError):  # OverflowError: inf
-            raise ConfigError(f"{name}={raw!r}: expected an integer") from None
+        return _integer(name, raw)
     if annotation is float:
+        if isinstance(raw, bool):
+            raise ConfigError(f"{name}={raw!r}: expected a number")
         try:
             return float(raw)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: an int past float's range
             raise ConfigError(f"{name}={raw!r}: expected a number") from None
     if annotation is str:
         if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null")):
             raise ConfigError(f"{name}={raw!r}: expected a string; this field cannot be null")
-        if isinstance(raw, (bool, list, dict)):
+        if not isinstance(raw, str):  # load_yaml already refused unquoted YAML numbers, naming what was typed
             raise ConfigError(f"{name}={raw!r}: expected a string")
-        return str(raw)  # numbers and dates that YAML parsed from an unquoted scalar
+        return raw
     raise ConfigError(f"{name}: unsupported field type {annotation}")
+
+
+def _integer(name: str, raw: Any) -> int:
+    """An int stays exact (float() would round past 2**53); a float or '1e3' is taken when it is whole
+    and small enough that the float holds it exactly."""
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str):
+        try:
+            return int(raw)
+        except ValueError:
+            pass
+    try:
+        value = float(raw) if isinstance(raw, (str, float)) else math.nan
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value.is_integer()):
+        raise ConfigError(f"{name}={raw!r}: expected an integer")
+    if abs(value) >= 2**53:  # from here on floats step by 2 or more: the written integer may be lost
+        raise ConfigError(f"{name}={raw!r}: expected an integer written in digits (a float this large is rounded)")
+    return int(value)
 
 
 def set_field(cfg: Config, dotted: str, raw: Any) -> None:
@@ -97,12 +113,67 @@ def apply_mapping(cfg: Config, mapping: dict[str, Any], prefix: str = "") -> Non
         set_field(cfg, f"{prefix}{key}", value)
 
 
+def _field_annotation(dotted: str) -> Any | None:
+    """The declared type of a config key; None for a key that is no field (set_field names those)."""
+    annotation: Any = Config
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(annotation):
+            return None
+        annotation = typing.get_type_hints(annotation).get(part)
+    return annotation
+
+
+_YAML_READ_AS = {"tag:yaml.org,2002:int": "the number", "tag:yaml.org,2002:float": "the number",
+                 "tag:yaml.org,2002:bool": "the boolean", "tag:yaml.org,2002:timestamp": "the date"}
+
+
+def _refuse_silent_rewrites(loader: yaml.SafeLoader, node: yaml.Node, prefix: str, file: str, seen: set[int]) -> None:
+    """What yaml.safe_load accepts without a word but a config must not: a key twice in one mapping (the
+    last would win), and an unquoted scalar YAML 1.1 reads as a number, boolean or date where the field
+    is a string (`run_dir: 0710` is the octal 456, `12:30` the sexagesimal 750, `1.50` is 1.5)."""
+    if id(node) in seen:  # an alias: checked where its anchor is
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _refuse_silent_rewrites(loader, item, f"{prefix}[].", file, seen)
+    if not isinstance(node, yaml.MappingNode):
+        return
+    lines: dict[str, int] = {}
+    for key_node, value_node in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden by the keys beside it
+            _refuse_silent_rewrites(loader, value_node, prefix, file, seen)
+            continue
+        key, line = str(key_node.value), key_node.start_mark.line + 1
+        dotted = f"{prefix}{key}"
+        if isinstance(key_node, yaml.ScalarNode):
+            if key in lines:
+                raise ConfigError(f"config file {file!r}: duplicate key {dotted!r} at line {line} (first at line "
+                                  f"{lines[key]}): YAML would keep only the last; delete one")
+            lines[key] = line
+        annotation = _field_annotation(dotted)
+        read_as = _YAML_READ_AS.get(value_node.tag) if isinstance(value_node, yaml.ScalarNode) else None
+        if read_as and str in (annotation, optional_inner(annotation)):
+            value = loader.construct_object(value_node)
+            shown = str(value).lower() if isinstance(value, bool) else value
+            raise ConfigError(f"{dotted}: YAML read {value_node.value} as {read_as} {shown}; "
+                              f'quote it: {key}: "{value_node.value}"')
+        _refuse_silent_rewrites(loader, value_node, f"{dotted}.", file, seen)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        loader = yaml.SafeLoader(p.read_text(encoding="utf-8"))
+        try:
+            node = loader.get_single_node()
+            if node is not None:
+                _refuse_silent_rewrites(loader, node, "", str(p), set())
+            data = (loader.construct_document(node) if node is not None else None) or {}
+        finally:
+            loader.dispose()
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file {str(p)!r}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except yaml.YAMLError as e:
@@ -157,3 +228,19 @@ def config_from_dict(d: dict[str, Any]) -> Config:
     apply_mapping(cfg, _without_removed(d))
     cfg.preset = d.get("preset", cfg.preset)
     return validate(cfg)
+
+
+# What reading a checkpoint's weights (export-hf) takes from a stored config besides the model section:
+# where the run's tokenizer is (data.path, or the embedded corpus's cache folder) and its context length.
+EXPORT_DATA_FIELDS = ("path", "cache_dir", "default_vocab_size", "default_max_bytes", "seq_len")
+
+
+def export_config_from_dict(d: dict[str, Any]) -> Config:
+    """The stored model section and EXPORT_DATA_FIELDS as a validated Config; every other field keeps
+    its default. A run written by an older release may hold training values this one refuses
+    (0.3.0 took train.threads=-1), and its weights export all the same."""
+    data = d.get("data") if isinstance(d.get("data"), dict) else {}
+    kept = {"model": d.get("model", {}), "data": {k: v for k, v in data.items() if k in EXPORT_DATA_FIELDS}}
+    if "preset" in d:
+        kept["preset"] = d["preset"]
+    return config_from_dict(kept)

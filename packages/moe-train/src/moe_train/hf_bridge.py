@@ -25,8 +25,8 @@ from safetensors.torch import save_file
 
 from moe_ckpt import LoadRequest, inspect_checkpoint, load_checkpoint, load_metadata, verify_checkpoint
 from moe_ckpt.hf import ExportSummary, HFConversionError, TensorSource, export_hf_folder, open_hf_folder
-from moe_train.config import Config
-from moe_train.config_io import config_from_dict
+from moe_train.config import Config, ConfigError
+from moe_train.config_io import config_from_dict, export_config_from_dict
 from moe_train.model import Transformer
 from moe_train.trainer import checkpoint as ckpt
 from moe_train.trainer.data_setup import default_data_dir
@@ -45,6 +45,14 @@ def register_checkpoint_reader(reader: CheckpointReader) -> None:
 def _resolve_checkpoint(path: Path) -> Path:
     """A run dir resolves to its newest complete checkpoint; anything else is taken as given."""
     return ckpt.latest(path) or path
+
+
+def _stored_config(path: Path, stored: dict[str, Any]) -> Config:
+    """The model and tokenizer part of a checkpoint's config (export_config_from_dict), errors naming the checkpoint."""
+    try:
+        return export_config_from_dict(stored)
+    except ConfigError as e:
+        raise ConfigError(f"checkpoint {str(path)!r}: stored config: {e}") from None
 
 
 def _safetensors_reader(path: Path) -> tuple[dict[str, Any], TensorSource] | None:
@@ -74,7 +82,7 @@ def _moe_ckpt_reader(path: Path) -> tuple[dict[str, Any], TensorSource] | None:
         raise HFConversionError(f"checkpoint {str(path)!r}: its metadata has no 'config' with a 'model' section")
     data = cfg.get("data", {})
     if data.get("path") == "default":  # trained on the embedded corpus: export the tokenizer it made
-        folder = default_data_dir(config_from_dict(cfg).data)
+        folder = default_data_dir(_stored_config(path, cfg).data)
         if (folder / "meta.json").is_file():
             cfg = {**cfg, "data": {**data, "path": str(folder)}}
     names = set(inspect_checkpoint(path)["tensors"])
@@ -90,12 +98,13 @@ def _moe_ckpt_reader(path: Path) -> tuple[dict[str, Any], TensorSource] | None:
 
 
 def load_checkpoint_source(ckpt: str | Path) -> tuple[Config, TensorSource]:
-    """(Config, lazy tensor source by our names) for a run dir or checkpoint dir."""
+    """(Config, lazy tensor source by our names) for a run dir or checkpoint dir. The Config holds the
+    stored model and tokenizer fields (export_config_from_dict); its train and parallel are defaults."""
     path = _resolve_checkpoint(Path(ckpt))
     for reader in [*CHECKPOINT_READERS, _moe_ckpt_reader, _safetensors_reader]:
         found = reader(path)
         if found is not None:
-            return config_from_dict(found[0]), found[1]
+            return _stored_config(path, found[0]), found[1]
     raise HFConversionError(f"checkpoint {str(path)!r}: no reader recognises it (expected model.safetensors + "
                             "config.json, a run dir with checkpoints/latest, or a registered reader's layout)")
 
