@@ -16,12 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from moe_kernels.grouped_gemm import GemmBackend, checked_offsets, grouped_gemm, torch_grouped_mm_supported
-from moe_kernels.permute import combine, permute
+from moe_kernels.permute import check_router_weights, check_rows, combine, permute
 from moe_kernels.route_map import RouteMap
 from moe_kernels.triton import use_triton
 
 
 def _check_weights(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    if w_gate_up.dim() != 3 or w_down.dim() != 3:
+        raise ValueError(f"w_gate_up {tuple(w_gate_up.shape)} and w_down {tuple(w_down.shape)} are not [E, d, 2h], [E, h, d]")
     E, d, two_h = w_gate_up.shape
     if two_h % 2 or tuple(w_down.shape) != (E, two_h // 2, d):
         raise ValueError(f"w_gate_up {tuple(w_gate_up.shape)} and w_down {tuple(w_down.shape)} are not [E, d, 2h], [E, h, d]")
@@ -46,8 +48,9 @@ def swiglu_experts(
 
     x_sorted: [N, d]; w_gate_up: [E, d, 2h] (gate then up); w_down: [E, h, d]; offsets: [E] int32 -> [N, d].
     """
+    check_rows("x_sorted", x_sorted, "N")
     _check_weights(x_sorted, w_gate_up, w_down)
-    offsets = checked_offsets(offsets, x_sorted.shape[0], w_gate_up.shape[0])
+    offsets = checked_offsets(offsets, x_sorted, w_gate_up.shape[0])
     plan = _plan(backend, x_sorted, w_gate_up, w_down, offsets)
     if plan is not None:
         from moe_kernels.triton.ffn_kernels import swiglu_ffn_sorted
@@ -72,6 +75,7 @@ def moe_ffn(
     Same result as combine(swiglu_experts(permute(x, rm), ...), rm, weights); autograd flows to
     x, weights, w_gate_up and w_down.
     """
+    check_rows("x", x, "T")
     _check_weights(x, w_gate_up, w_down)
     if route_map.num_experts != w_gate_up.shape[0]:
         raise ValueError(f"the route map has {route_map.num_experts} experts but w_gate_up has {w_gate_up.shape[0]}")
@@ -80,6 +84,7 @@ def moe_ffn(
             f"x {tuple(x.shape)} and weights {tuple(weights.shape)} do not match the route map's "
             f"T={route_map.num_tokens}, k={route_map.top_k}"
         )
+    check_router_weights(weights, x, route_map)
     plan = _plan(backend, x, w_gate_up, w_down, route_map.offsets, route_map)
     if plan is not None:
         from moe_kernels.triton.ffn_kernels import swiglu_ffn_routed

@@ -14,10 +14,14 @@ from moe_kernels.triton import use_triton
 GemmBackend = Literal["auto", "triton", "torch", "reference"]
 
 
-def checked_offsets(offsets: torch.Tensor, num_rows: int, num_experts: int) -> torch.Tensor:
+def checked_offsets(offsets: torch.Tensor, rows: torch.Tensor, num_experts: int) -> torch.Tensor:
     """The offsets as the kernels take them ([E] int32), after the checks that need no host read
-    on a GPU. On the CPU (reading is free there) also: non-decreasing, non-negative, last == num_rows.
-    On a GPU, offsets that do not end at num_rows leave the rows past the last end uncomputed."""
+    on a GPU: shape, integer dtype, on the rows' device. On the CPU (reading is free there) also:
+    non-decreasing, non-negative, last == the row count. On a GPU, offsets that do not end at the
+    row count leave the rows past the last end uncomputed."""
+    num_rows = rows.shape[0]
+    if offsets.device != rows.device:
+        raise ValueError(f"offsets are on device={offsets.device} but the rows are on device={rows.device}")
     if offsets.shape != (num_experts,):
         raise ValueError(f"offsets shape {tuple(offsets.shape)} != (num_experts,)=({num_experts},)")
     if offsets.dtype not in (torch.int32, torch.int64):
@@ -87,7 +91,7 @@ def grouped_gemm(
         raise ValueError(f"expected x [N, K] and w [E, K, M], got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.shape[1] != w.shape[1]:
         raise ValueError(f"x has K={x.shape[1]} but w has K={w.shape[1]}")
-    offsets = checked_offsets(offsets, x.shape[0], w.shape[0])
+    offsets = checked_offsets(offsets, x, w.shape[0])
     if x.dtype != w.dtype or x.device != w.device:
         raise ValueError(f"x ({x.dtype}, {x.device}) and w ({w.dtype}, {w.device}) must share dtype and device")
     if use_triton(backend, x):

@@ -12,11 +12,31 @@ from moe_kernels.triton import use_triton
 RowBackend = Literal["auto", "triton", "torch", "reference"]
 
 
+def check_rows(name: str, t: torch.Tensor, rows: str) -> None:
+    """Token or expert rows are a 2-D [rows, d] tensor: fold extra dims into the rows first."""
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [{rows}, d], got shape {tuple(t.shape)}")
+
+
+def check_router_weights(weights: torch.Tensor, x: torch.Tensor, route_map: RouteMap) -> None:
+    """weights: [T, k] floating point on x's device (any float dtype: fp32 weights with bf16 rows
+    are the usual mix; the sum accumulates in fp32 or wider)."""
+    if tuple(weights.shape) != (route_map.num_tokens, route_map.top_k):
+        raise ValueError(
+            f"weights shape {tuple(weights.shape)} != (T, k)=({route_map.num_tokens}, {route_map.top_k})"
+        )
+    if not weights.dtype.is_floating_point:
+        raise ValueError(f"router weights must be a floating-point tensor, got dtype={weights.dtype}")
+    if weights.device != x.device:
+        raise ValueError(f"router weights are on device={weights.device} but the rows are on device={x.device}")
+
+
 def permute(x: torch.Tensor, route_map: RouteMap, backend: RowBackend = "auto") -> torch.Tensor:
     """Gather token rows into expert order.
 
     x: [T, d] -> [T*k, d]; row r is x[route_map.source_token[r]].
     """
+    check_rows("x", x, "T")
     if x.shape[0] != route_map.num_tokens:
         raise ValueError(f"x has {x.shape[0]} rows but the route map was built for {route_map.num_tokens} tokens")
     if use_triton(backend, x):
@@ -35,12 +55,10 @@ def combine(
 
     expert_out: [T*k, d] in expert order; weights: [T, k] -> [T, d] in expert_out's dtype.
     """
+    check_rows("expert_out", expert_out, "T*k")
     if expert_out.shape[0] != route_map.num_rows:
         raise ValueError(f"expert_out has {expert_out.shape[0]} rows, expected T*k={route_map.num_rows}")
-    if tuple(weights.shape) != (route_map.num_tokens, route_map.top_k):
-        raise ValueError(
-            f"weights shape {tuple(weights.shape)} != (T, k)=({route_map.num_tokens}, {route_map.top_k})"
-        )
+    check_router_weights(weights, expert_out, route_map)
     if use_triton(backend, expert_out):
         from moe_kernels.triton.permute_kernels import CombineFn
 

@@ -70,7 +70,8 @@ def _check_ids_on_host(expert_ids: torch.Tensor, num_experts: int) -> None:
 def build_route_map(expert_ids: torch.Tensor, num_experts: int, backend: RouteMapBackend = "auto") -> RouteMap:
     """Build the route map from top-k expert ids.
 
-    expert_ids: [T, k] integer, values in [0, num_experts). Stays on its device; nothing is read back.
+    expert_ids: [T, k] integer, k >= 1 (T may be 0), values in [0, num_experts). Stays on its
+    device; nothing is read back.
     backend: "triton" (histogram, scan and scatter kernels; deterministic), "torch"/"reference"
     (stable sort), "auto" (triton on CUDA when installed, else torch).
 
@@ -86,6 +87,8 @@ def build_route_map(expert_ids: torch.Tensor, num_experts: int, backend: RouteMa
     if num_experts <= 0:
         raise ValueError(f"num_experts={num_experts} must be positive")
     num_tokens, top_k = expert_ids.shape
+    if top_k == 0:  # every token would go nowhere; the row kernels divide rows by k
+        raise ValueError(f"expert_ids has 0 columns (shape {tuple(expert_ids.shape)}): top_k must be >= 1")
     if expert_ids.device.type == "cpu":
         _check_ids_on_host(expert_ids, num_experts)
     if use_triton(backend, expert_ids):

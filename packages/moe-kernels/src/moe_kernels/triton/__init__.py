@@ -49,13 +49,32 @@ def require_triton_on(t: torch.Tensor) -> None:
     )
 
 
+# The kernels load these and compute in fp32 (fp32 dots in IEEE precision): anything wider,
+# float64 above all, would silently lose precision, so it is refused or left to torch.
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def triton_takes_dtype(t: torch.Tensor) -> bool:
+    """Whether the triton kernels compute on `t` at its own precision: fp32, bf16 or fp16 data.
+    Integer tensors (expert ids, the route map's indices) are index data and always pass."""
+    return t.dtype in TRITON_DTYPES or not (t.dtype.is_floating_point or t.dtype.is_complex)
+
+
 def use_triton(backend: str, t: torch.Tensor) -> bool:
-    """Whether a call with this backend runs the triton kernels on `t`'s device (one rule for
-    every op): "triton" always (after `require_triton_on`), "auto" on CUDA when installed.
+    """Whether a call with this backend runs the triton kernels on `t` (one rule for every op):
+    "triton" always (after `require_triton_on`), "auto" on CUDA when installed. `t` is the data
+    the op computes on; data in a dtype the kernels do not take (float64, fp8, complex) is
+    refused by "triton" and sent by "auto" to the torch / reference path, exact in its dtype.
     Any other name than auto / triton / torch / reference is refused here, for every op."""
     if backend not in ("auto", "triton", "torch", "reference"):
         raise ValueError(f"backend={backend!r} is not one of 'auto', 'triton', 'torch', 'reference'")
     if backend == "triton":
+        if not triton_takes_dtype(t):
+            raise ValueError(
+                f"backend='triton' got dtype={t.dtype}: the triton kernels take "
+                f"{', '.join(str(d) for d in TRITON_DTYPES)} (they compute in fp32); "
+                "use backend='auto' or 'reference' for other dtypes"
+            )
         require_triton_on(t)
         return True
-    return backend == "auto" and triton_runs_on(t)
+    return backend == "auto" and triton_takes_dtype(t) and triton_runs_on(t)
