@@ -84,3 +84,21 @@ def test_impossible_layout_exits_2_with_one_line(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert "dp=2 x pp=1 = 2 does not equal world_size=1" in lines[0]
+
+
+def test_our_warnings_print_as_one_line_and_others_as_python_shows_them(monkeypatch, capsys):
+    import warnings
+
+    from moe_train import cli
+
+    def info_that_warns(cfg):
+        warnings.warn_explicit("eval losses before and after step 3 are not comparable", UserWarning,
+                               filename="/x/moe_train/trainer/loop.py", lineno=1)
+        warnings.warn_explicit("a torch warning", UserWarning, filename="/x/torch/nn/modules.py", lineno=7)
+
+    monkeypatch.setattr(cli, "_cmd_info", info_that_warns)
+    assert main(["info"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert "moe-train: warning: eval losses before and after step 3 are not comparable" in err
+    assert not any(line.startswith("moe-train: warning: a torch warning") for line in err)
+    assert warnings.showwarning is not cli._show_warning  # restored after main

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import warnings
 
 from moe_ckpt import CheckpointError
 from moe_train.config import ConfigError
@@ -134,9 +136,26 @@ def _cmd_hf(args) -> None:
         print(f"wrote {args.out} (preset-free config, {cfg.model.num_layers} layers, {cfg.model.num_experts} experts)")
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    """Our own warnings (moe_train, moe_ckpt) as one line, like our errors; others as Python shows them."""
+    if any(f"{os.sep}{pkg}{os.sep}" in filename for pkg in ("moe_train", "moe_ckpt")):
+        print(f"moe-train: warning: {message}", file=sys.stderr if file is None else file)
+    else:
+        _default_show_warning(message, category, filename, lineno, file, line)
+
+
+_default_show_warning = warnings.showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args, rest = _parser().parse_known_args(argv)
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        return _run(args, rest)
+
+
+def _run(args, rest) -> int:
     try:
         if args.command == "inspect":
             _cmd_inspect(args)
