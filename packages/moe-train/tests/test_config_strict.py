@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moe_train.cli import main
-from moe_train.config import INT64_MAX, MAX_COLLECTIVE_TIMEOUT_S, Config, DataConfig, ModelConfig, TrainConfig
+from moe_train.config import MAX_COLLECTIVE_TIMEOUT_S, MAX_SEED, Config, DataConfig, ModelConfig, TrainConfig
 
 
 def cli(*argv: str, cwd=None) -> subprocess.CompletedProcess:
@@ -125,15 +125,17 @@ def test_quoted_yaml_and_command_line_strings_are_kept_as_typed(tmp_path, capsys
 # -- integers stay exact, and values torch or datetime cannot take are refused up front ----
 
 def test_a_yaml_integer_past_2_to_the_53_stays_exact(tmp_path, capsys):
-    (tmp_path / "c.yaml").write_text("train:\n  seed: 9007199254740993\ndata:\n  seed: 9223372036854775807\n")
+    (tmp_path / "c.yaml").write_text("train:\n  keep_last: 9007199254740993\n  max_skipped_steps: 9223372036854775807\n")
     cfg = resolved(capsys, ["info", "--config", str(tmp_path / "c.yaml"), "--train.steps=9007199254740993"])
-    assert (cfg["train"]["seed"], cfg["data"]["seed"], cfg["train"]["steps"]) == (
+    assert (cfg["train"]["keep_last"], cfg["train"]["max_skipped_steps"], cfg["train"]["steps"]) == (
         9007199254740993, 9223372036854775807, 9007199254740993)
 
 
 @pytest.mark.parametrize("override,message", [
     ("--train.seed=18446744073709551616", "train.seed=18446744073709551616: expected an integer in [-2**63, 2**63"),
     ("--train.seed=9223372036854775808", "train.seed=9223372036854775808: expected an integer in [-2**63, 2**63 - 1]"),
+    ("--train.seed=4294967296", "train.seed=4294967296: expected an integer in [0, 2**32 - 1] (torch's CPU generator"),
+    ("--data.seed=4294967296", "data.seed=4294967296: expected an integer in [0, 2**32 - 1]"),
     ("--data.seed=18446744073709551616", "data.seed=18446744073709551616: expected an integer in [-2**63, 2**63 - 1]"),
     ("--train.grad_accum=18446744073709551616", "train.grad_accum=18446744073709551616: expected an integer in"),
     ("--train.steps=-9223372036854775809", "train.steps=-9223372036854775809: expected an integer in"),
@@ -156,10 +158,13 @@ def test_a_yaml_float_too_large_to_hold_an_integer_exactly_is_refused(tmp_path, 
 
 
 def test_the_largest_accepted_seed_and_timeout_are_taken_by_torch_and_datetime(capsys):
-    cfg = resolved(capsys, ["info", f"--train.seed={INT64_MAX}",
+    cfg = resolved(capsys, ["info", f"--train.seed={MAX_SEED}", f"--data.seed={MAX_SEED}",
                             f"--parallel.collective_timeout_s={MAX_COLLECTIVE_TIMEOUT_S}"])
-    assert cfg["train"]["seed"] == INT64_MAX
-    torch.Generator().manual_seed(cfg["train"]["seed"])
+    assert cfg["train"]["seed"] == cfg["data"]["seed"] == MAX_SEED
+    # every accepted seed draws its own numbers (seeds 2**32 apart would not, on the CPU)
+    draw = lambda seed: torch.randn(4, generator=torch.Generator().manual_seed(seed))  # noqa: E731
+    assert not torch.equal(draw(MAX_SEED), draw(0))
+    assert torch.equal(draw(2**32), draw(0))  # why the range stops there
     datetime.timedelta(seconds=cfg["parallel"]["collective_timeout_s"])
 
 
