@@ -187,3 +187,17 @@ def test_a_yaml_merge_key_may_be_overridden_beside_it(tmp_path, capsys):
     (tmp_path / "c.yaml").write_text("train:\n  <<: {steps: 4, lr: 0.5}\n  steps: 5\n")
     cfg = resolved(capsys, ["info", "--config", str(tmp_path / "c.yaml")])
     assert (cfg["train"]["steps"], cfg["train"]["lr"]) == (5, 0.5)
+
+
+@pytest.mark.parametrize("text,value", [("0710", 456), ("12:30", 750), ("-0_17", -15), ("1:30.5", 90.5)])
+def test_yaml_octal_and_base_60_numbers_for_number_fields_are_refused(text, value, tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text(f"train:\n  steps: {text}\n  lr: {text}\n")
+    line = error_line(capsys, ["info", "--config", str(tmp_path / "c.yaml")])
+    assert f"train.steps: YAML 1.1 reads {text} as {value} (octal or base 60); write the number in decimal digits" in line
+
+
+@pytest.mark.parametrize("text,value", [("0", 0), ("10", 10), ("1_000", 1000), ("0x10", 16), ("0.5", 0.5), ("1e3", 1000)])
+def test_yaml_numbers_in_usual_forms_are_taken(text, value, tmp_path, capsys):
+    field = "lr" if isinstance(value, float) else "warmup_steps"
+    (tmp_path / "c.yaml").write_text(f"train:\n  {field}: {text}\n")
+    assert resolved(capsys, ["info", "--config", str(tmp_path / "c.yaml")])["train"][field] == value

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,8 @@ def _field_annotation(dotted: str) -> Any | None:
     return annotation
 
 
+# integers YAML 1.1 reads in a base nobody means in a config: 0710 (octal 456), 12:30 (base 60: 750)
+_YAML_1_1_NUMBER = re.compile(r"[-+]?0[0-7_]+|[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?")
 _YAML_READ_AS = {"tag:yaml.org,2002:int": "the number", "tag:yaml.org,2002:float": "the number",
                  "tag:yaml.org,2002:bool": "the boolean", "tag:yaml.org,2002:timestamp": "the date"}
 
@@ -153,6 +156,10 @@ def _refuse_silent_rewrites(loader: yaml.SafeLoader, node: yaml.Node, prefix: st
             lines[key] = line
         annotation = _field_annotation(dotted)
         read_as = _YAML_READ_AS.get(value_node.tag) if isinstance(value_node, yaml.ScalarNode) else None
+        if read_as and _YAML_1_1_NUMBER.fullmatch(value_node.value) and str not in (annotation, optional_inner(annotation)):
+            value = loader.construct_object(value_node)
+            raise ConfigError(f"{dotted}: YAML 1.1 reads {value_node.value} as {value} (octal or base 60); "
+                              f"write the number in decimal digits")
         if read_as and str in (annotation, optional_inner(annotation)):
             value = loader.construct_object(value_node)
             shown = str(value).lower() if isinstance(value, bool) else value
