@@ -27,6 +27,8 @@ class ParamSlot:
     start: int
     numel: int
     bucket: int
+    index: int  # position in FlatParams.slots
+    has_grad: bool = False  # a gradient reached this parameter on this rank since the last zero_grads()
 
 
 @dataclass
@@ -39,16 +41,20 @@ class Bucket:
     shard_numel: int
     slots: list[ParamSlot] = field(default_factory=list)
     grad_shard: torch.Tensor | None = None  # [shard_numel] reduced gradient (a view of the grad buffer when unsharded)
-    pending: int = 0
-    handle: dist.Work | None = None
+    pending: int = 0  # GradientSync: parameters whose gradient has not yet arrived in the last backward
+    handle: dist.Work | None = None  # GradientSync: the bucket's reduction, once launched
 
 
 class FlatParams:
     """Parameters of one replication group laid out in flat, bucketed buffers.
 
-    named_params: (name, param) in forward order, all one dtype and device.
+    named_params: (name, param) in forward order, all one dtype and device, all requires_grad=True.
     group: the process group the gradients are reduced over (and state sharded over when shard=True).
     grad_dtype: dtype of the accumulation buffer (fp32 for fp32 gradient accumulation).
+
+    A post-accumulate-grad hook on every parameter adds a lower-precision gradient into the fp32
+    buffer and records that the parameter received a gradient (`ParamSlot.has_grad`): the
+    optimizer leaves a parameter that no rank gave a gradient untouched, as torch.optim.AdamW does.
     """
 
     def __init__(
@@ -64,6 +70,13 @@ class FlatParams:
         dtypes = {p.dtype for _, p in named_params}
         if len(dtypes) != 1:
             raise ValueError(f"parameters of one group must share a dtype, got {sorted(map(str, dtypes))}")
+        frozen = [n for n, p in named_params if not p.requires_grad]
+        if frozen:
+            raise ValueError(
+                f"FlatParams got parameters with requires_grad=False: {frozen}; leave frozen parameters out "
+                "(e.g. [(n, p) for n, p in model.named_parameters() if p.requires_grad]): they never get a "
+                "gradient, and the optimizer must not update them"
+            )
         self.group = group
         self.group_size = dist.get_world_size(group)
         self.group_rank = dist.get_rank(group)
@@ -79,7 +92,7 @@ class FlatParams:
         for name, p in reversed(named_params):
             if cursor > bucket_start and cursor + p.numel() - bucket_start > bucket_numel:
                 bucket_start = cursor = self._close_bucket(bucket_start, cursor, shards)
-            self.slots.append(ParamSlot(name, p, cursor, p.numel(), len(self.buckets)))
+            self.slots.append(ParamSlot(name, p, cursor, p.numel(), len(self.buckets), len(self.slots)))
             cursor = _round_up(cursor + p.numel(), ALIGN)
         total = self._close_bucket(bucket_start, cursor, shards)
 
@@ -96,7 +109,23 @@ class FlatParams:
                 torch.empty(b.shard_numel, dtype=self.grad_dtype, device=device)
                 if self.shard else self.grad_buffer[b.start : b.start + b.numel]
             )
+        self._hooks = [slot.param.register_post_accumulate_grad_hook(self._make_hook(slot)) for slot in self.slots]
         self.zero_grads()
+
+    def _make_hook(self, slot: ParamSlot):  # noqa: ANN202
+        def hook(param: torch.Tensor) -> None:
+            if not self.grads_bound:  # fp32 accumulation of a lower-precision gradient
+                self.grad_view(slot).add_(param.grad)
+                param.grad = None
+            slot.has_grad = True
+
+        return hook
+
+    def remove_hooks(self) -> None:
+        """At the end of training: gradients stop reaching the fp32 buffer and being recorded."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
 
     def _close_bucket(self, start: int, end: int, shards: int) -> int:
         numel = _round_up(max(end - start, 1), ALIGN * shards)
@@ -124,9 +153,8 @@ class FlatParams:
 
     def zero_grads(self) -> None:
         self.grad_buffer.zero_()
-        for b in self.buckets:
-            b.pending = len(b.slots)
-            b.handle = None
+        for slot in self.slots:
+            slot.has_grad = False
         self.bind_grads()
 
 

@@ -6,8 +6,13 @@ reduce-scatter when the optimizer state is sharded (ZeRO-1), an all-reduce other
 gradients go over dense data parallelism, expert gradients over expert data parallelism.
 
 Overlap: with `overlap=True`, a post-accumulate-grad hook counts the parameters of each bucket
-during the last backward and launches the bucket's reduction (async) as soon as its last
-gradient lands, so reduction of late layers runs while early layers are still in backward.
+during the last backward; when a bucket is complete and every bucket before it has been
+launched, it launches the bucket's reduction (async) and then any complete buckets after it, so
+reduction of late layers runs while early layers are still in backward. Every rank of a group
+launches the group's buckets in bucket order: a parameter that got no gradient on some rank
+(a data-dependent branch) holds that bucket, and the ones after it, until `finish()` launches
+them in the same order, with zeros from that rank (what torch DDP with find_unused_parameters
+reduces).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe_parallel.buffers import Bucket, FlatParams
+from moe_parallel.buffers import Bucket, FlatParams, ParamSlot
 
 
 class _Done:
@@ -29,7 +34,8 @@ _DONE = _Done()
 class GradientSync:
     """Owns the gradient buffers' life cycle across micro-batches.
 
-    flats: the replication groups (e.g. [dense, experts]).
+    flats: the replication groups (e.g. [dense, experts]); build them first (their hooks put each
+           gradient into the buffer, and must run before this one's).
     divisor: gradients are summed over the group then divided by this (the dense dp size:
              the loss is a mean over all data-parallel ranks, also for expert gradients).
     """
@@ -40,30 +46,45 @@ class GradientSync:
         self.overlap = overlap
         self.final = False
         self.reductions = 0  # collectives launched for gradients (for tests and metrics)
+        self._next = [0] * len(flats)  # per flat: index of its next bucket to launch
         self._hooks = []
-        for flat in flats:
-            if flat.grads_bound and not overlap:
-                continue  # autograd accumulates in place into the buffer views; nothing to do
-            for slot in flat.slots:
-                self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._make_hook(flat, slot)))
+        if overlap:
+            for i, flat in enumerate(flats):
+                for slot in flat.slots:
+                    self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._make_hook(i, slot)))
+        self._arm()
 
-    def _make_hook(self, flat: FlatParams, slot):  # noqa: ANN001, ANN202
-        bucket = flat.buckets[slot.bucket]
+    def _make_hook(self, flat_index: int, slot: ParamSlot):  # noqa: ANN202
+        bucket = self.flats[flat_index].buckets[slot.bucket]
 
         def hook(param: torch.Tensor) -> None:
-            if not flat.grads_bound:  # fp32 accumulation of a lower-precision gradient
-                flat.grad_view(slot).add_(param.grad)
-                param.grad = None
-            if self.final and self.overlap:
+            if self.final:
                 bucket.pending -= 1
                 if bucket.pending == 0:
-                    self._launch(flat, bucket)
+                    self._launch_ready(flat_index)
 
         return hook
 
     def begin_backward(self, final: bool) -> None:
         """Call before each micro-batch's backward; final=True on the last of the optimizer step."""
         self.final = final
+        if final:
+            self._arm()
+
+    def _arm(self) -> None:
+        for flat in self.flats:
+            for bucket in flat.buckets:
+                bucket.pending = len(bucket.slots)
+                bucket.handle = None
+        self._next = [0] * len(self.flats)
+
+    def _launch_ready(self, flat_index: int) -> None:
+        """Launch the flat's complete buckets from the next one in bucket order, stopping at the first incomplete one."""
+        flat, at = self.flats[flat_index], self._next[flat_index]
+        while at < len(flat.buckets) and flat.buckets[at].pending == 0:
+            self._launch(flat, flat.buckets[at])
+            at += 1
+        self._next[flat_index] = at
 
     def _launch(self, flat: FlatParams, bucket: Bucket) -> None:
         if flat.group_size == 1:  # nothing to reduce: world size 1 costs no collective
@@ -77,11 +98,15 @@ class GradientSync:
         self.reductions += 1
 
     def finish(self) -> None:
-        """After the last backward: reduce every bucket not yet launched, wait, and average."""
-        for flat in self.flats:
-            for bucket in flat.buckets:
-                if bucket.handle is None:
-                    self._launch(flat, bucket)
+        """After the last backward: reduce every bucket not yet launched (in bucket order), wait, and average.
+
+        A gradient this rank did not produce in the last backward is whatever the earlier
+        micro-batches accumulated, or zeros.
+        """
+        for i, flat in enumerate(self.flats):
+            for bucket in flat.buckets[self._next[i] :]:
+                self._launch(flat, bucket)
+            self._next[i] = len(flat.buckets)
         for flat in self.flats:
             for bucket in flat.buckets:
                 bucket.handle.wait()
@@ -89,12 +114,16 @@ class GradientSync:
                 if self.divisor != 1:
                     bucket.grad_shard.div_(self.divisor)
         self.final = False
+        self._arm()
 
     def zero_grads(self) -> None:
         for flat in self.flats:
             flat.zero_grads()
 
     def remove_hooks(self) -> None:
+        """At the end of training: removes these hooks and the flats' own."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for flat in self.flats:
+            flat.remove_hooks()

@@ -49,10 +49,14 @@ class ParallelLayout:
         """
         for name in ("dp", "ep", "pp"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"parallel layout: {name}={value!r} must be a positive integer")
-        if world_size < 1:
-            raise ValueError(f"parallel layout: world_size={world_size} must be a positive integer")
+        if not _is_int(world_size) or world_size < 1:
+            raise ValueError(f"parallel layout: world_size={world_size!r} must be a positive integer")
+        if not _is_int(num_experts) or num_experts < 0:
+            raise ValueError(
+                f"parallel layout: num_experts={num_experts!r} must be a non-negative integer (0 for a dense model)"
+            )
         if self.dp * self.pp != world_size:
             raise ValueError(
                 f"parallel layout: dp={self.dp} x pp={self.pp} = {self.dp * self.pp} does not equal "
@@ -94,3 +98,8 @@ class ParallelLayout:
 
     def pp_groups(self) -> list[list[int]]:
         return [[s * self.dp + d for s in range(self.pp)] for d in range(self.dp)]
+
+
+def _is_int(value: object) -> bool:
+    """An int that is not a bool (True is an int to Python, never a layout size here)."""
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -9,6 +9,14 @@ one pass over master, moments and gradient, no temporaries; decoupled decay on m
 Global-norm clipping: every rank adds the squared norm of the gradient shards it uniquely owns
 (dense and expert groups alike) and one all-reduce over the world gives the global norm. A
 non-finite norm skips the whole step on every rank (they all see the same norm) and is counted.
+
+Parameters without a gradient: as torch.optim.AdamW skips a parameter whose .grad is None, a
+parameter that received no gradient on any rank during the step (FlatParams records each
+arrival) keeps its weights, moments and step count. The same all-reduce carries one flag per
+parameter, so every rank agrees; a parameter used on at least one rank is updated with the mean
+over ranks, zeros from the others (torch DDP with find_unused_parameters). An expert parameter
+counts as used when any rank's slice of it got a gradient, as the whole tensor would on one
+process. Step counts are per parameter, as torch's bias correction is.
 """
 
 from __future__ import annotations
@@ -33,14 +41,14 @@ class AdamWConfig:
 
 @dataclass
 class _ShardState:
-    """fp32 state of one bucket shard: [shard_numel] each; decay / no_decay: (lo, hi) ranges that
-    partition the shard into elements with and without weight decay."""
+    """fp32 state of one bucket shard: [shard_numel] each; decay / no_decay: (lo, hi, slot index)
+    for each parameter's piece of the shard, matrices (weight decay) and vectors (none)."""
 
     master: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    decay: list[tuple[int, int]]
-    no_decay: list[tuple[int, int]]
+    decay: list[tuple[int, int, int]]
+    no_decay: list[tuple[int, int, int]]
 
 
 @dataclass
@@ -50,7 +58,9 @@ class OptimizerStepResult:
 
 
 class DistributedAdamW:
-    """AdamW over FlatParams groups; world: the group spanning every rank (for the global norm)."""
+    """AdamW over FlatParams groups; world: the group spanning every rank (for the global norm and
+    the per-parameter "received a gradient" flags: every rank holds the same parameters, slot for
+    slot, expert parameters as its own slice)."""
 
     def __init__(self, flats: list[FlatParams], cfg: AdamWConfig, world: dist.ProcessGroup | None = None):
         if world is None and dist.is_initialized() and dist.get_world_size() > 1:
@@ -61,27 +71,32 @@ class DistributedAdamW:
         self.flats = flats
         self.cfg = cfg
         self.world = world
-        self.step_count = 0
+        self._step_count = 0
         self.skipped_steps = 0
         self.states: list[list[_ShardState]] = [[self._init_shard(f, b) for b in f.buckets] for f in flats]
+        # Per flat and slot (torch AdamW's state["step"]): only parameters that received a gradient advance.
+        self.param_steps: list[list[int]] = [[0] * len(f.slots) for f in flats]
+
+    @property
+    def step_count(self) -> int:
+        """Steps taken (not skipped)."""
+        return self._step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        # A checkpoint holds this one count: every parameter resumes from it (as LocalRuntime's load does).
+        self._step_count = value
+        self.param_steps = [[value] * len(f.slots) for f in self.flats]
 
     @staticmethod
     def _init_shard(flat: FlatParams, bucket: Bucket) -> _ShardState:
         lo, hi = bucket.shard_start, bucket.shard_start + bucket.shard_numel
         master = flat.param_buffer[lo:hi].to(torch.float32, copy=True)
-        decay = []
+        decay, no_decay = [], []
         for slot in bucket.slots:
             a, b = max(lo, slot.start), min(hi, slot.start + slot.numel)
-            if a < b and slot.param.dim() >= 2:  # as param_groups(): decay matrices, never vectors
-                decay.append((a - lo, b - lo))
-        decay.sort()
-        no_decay, at = [], 0
-        for a, b in decay:
-            if at < a:
-                no_decay.append((at, a))
-            at = b
-        if at < hi - lo:
-            no_decay.append((at, hi - lo))
+            if a < b:  # as param_groups(): decay matrices, never vectors; padding is never updated
+                (decay if slot.param.dim() >= 2 else no_decay).append((a - lo, b - lo, slot.index))
         return _ShardState(master, torch.zeros_like(master), torch.zeros_like(master), decay, no_decay)
 
     def state_bytes(self) -> int:
@@ -91,16 +106,35 @@ class DistributedAdamW:
     @torch.no_grad()
     def global_grad_norm(self) -> torch.Tensor:
         """0-dim fp32 norm over every gradient of the model, each element counted once."""
-        device = self.flats[0].param_buffer.device
-        sq = torch.zeros((), dtype=torch.float32, device=device)
+        return self._reduce_over_world(self._local_squared_norm()).sqrt()
+
+    def _local_squared_norm(self) -> torch.Tensor:
+        sq = torch.zeros((), dtype=torch.float32, device=self.flats[0].param_buffer.device)
         for flat in self.flats:
             if flat.owns_unique_shard:
                 for b in flat.buckets:
                     g = b.grad_shard.float()
                     sq += torch.dot(g, g)
+        return sq
+
+    def _reduce_over_world(self, t: torch.Tensor) -> torch.Tensor:
         if self.world is not None and dist.get_world_size(self.world) > 1:
-            dist.all_reduce(sq, group=self.world)
-        return sq.sqrt()
+            dist.all_reduce(t, group=self.world)
+        return t
+
+    @torch.no_grad()
+    def _norm_and_received(self) -> tuple[float, list[list[bool]]]:
+        """The global norm, and per flat and slot whether any rank gave the parameter a gradient (one all-reduce)."""
+        flags = torch.tensor([float(slot.has_grad) for flat in self.flats for slot in flat.slots],
+                             device=self.flats[0].param_buffer.device)
+        both = torch.cat([self._local_squared_norm().view(1), flags])
+        self._reduce_over_world(both)[0].sqrt_()
+        values = both.tolist()  # the one host sync of the step: skip or not must be known on the host
+        received, at = [], 1
+        for flat in self.flats:
+            received.append([v > 0 for v in values[at : at + len(flat.slots)]])
+            at += len(flat.slots)
+        return values[0], received
 
     @torch.no_grad()
     def step(self, lr: float | None = None) -> OptimizerStepResult:
@@ -110,29 +144,33 @@ class DistributedAdamW:
         """
         cfg = self.cfg
         lr = cfg.lr if lr is None else lr
-        norm = self.global_grad_norm()
-        norm_value = float(norm)  # the one host sync of the step: skip or not must be known on the host
+        norm_value, received = self._norm_and_received()
         if not math.isfinite(norm_value):
             self.skipped_steps += 1
             return OptimizerStepResult(norm_value, True)
         clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         coef = min(clip / (norm_value + 1e-6), 1.0)  # as torch.nn.utils.clip_grad_norm_
-        self.step_count += 1
+        self._step_count += 1
         beta1, beta2 = cfg.betas
         device = self.flats[0].param_buffer.device
-        step = torch.full((), float(self.step_count), dtype=torch.float32, device=device)
-        for flat, states in zip(self.flats, self.states):
+        step_tensors: dict[int, torch.Tensor] = {}  # one per distinct count (usually one), as the kernel wants tensors
+        for flat, states, steps, got in zip(self.flats, self.states, self.param_steps, received):
+            steps[:] = [n + 1 if g else n for n, g in zip(steps, got)]
+            for n in set(steps):
+                if n not in step_tensors:
+                    step_tensors[n] = torch.full((), float(n), dtype=torch.float32, device=device)
             for bucket, st in zip(flat.buckets, states):
                 g = bucket.grad_shard
                 g = g.float() if g.dtype != torch.float32 else g  # an fp32 shard is scaled in place (zeroed after the step)
                 if coef < 1.0:
                     g.mul_(coef)
-                for ranges, decay in ((st.decay, cfg.weight_decay), (st.no_decay, 0.0)):
+                for pieces, decay in ((st.decay, cfg.weight_decay), (st.no_decay, 0.0)):
+                    ranges = _received_ranges(pieces, got, steps)
                     if ranges:
-                        views = [[t[a:b] for a, b in ranges] for t in (st.master, g, st.exp_avg, st.exp_avg_sq)]
+                        views = [[t[a:b] for a, b, _ in ranges] for t in (st.master, g, st.exp_avg, st.exp_avg_sq)]
                         torch._fused_adamw_(
-                            *views, [], [step] * len(ranges), lr=lr, beta1=beta1, beta2=beta2, weight_decay=decay,
-                            eps=cfg.eps, amsgrad=False, maximize=False,
+                            *views, [], [step_tensors[n] for _, _, n in ranges], lr=lr, beta1=beta1, beta2=beta2,
+                            weight_decay=decay, eps=cfg.eps, amsgrad=False, maximize=False,
                         )
             self._refresh(flat, states)
         return OptimizerStepResult(norm_value, False)
@@ -151,3 +189,18 @@ class DistributedAdamW:
         for flat, states in zip(self.flats, self.states):
             for bucket, st in zip(flat.buckets, states):
                 st.master.copy_(flat.param_buffer[bucket.shard_start : bucket.shard_start + bucket.shard_numel])
+
+
+def _received_ranges(pieces: list[tuple[int, int, int]], got: list[bool], steps: list[int]) -> list[tuple[int, int, int]]:
+    """(lo, hi, step count) of the pieces whose parameter received a gradient; neighbouring slots with one
+    step count merge into one range (only alignment padding, always zero, lies between them)."""
+    out: list[tuple[int, int, int]] = []
+    last = -2
+    for a, b, i in pieces:
+        if got[i]:
+            if i == last + 1 and out[-1][2] == steps[i]:
+                out[-1] = (out[-1][0], b, steps[i])
+            else:
+                out.append((a, b, steps[i]))
+            last = i
+    return out
