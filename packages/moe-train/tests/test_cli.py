@@ -102,3 +102,20 @@ def test_our_warnings_print_as_one_line_and_others_as_python_shows_them(monkeypa
     assert "moe-train: warning: eval losses before and after step 3 are not comparable" in err
     assert not any(line.startswith("moe-train: warning: a torch warning") for line in err)
     assert warnings.showwarning is not cli._show_warning  # restored after main
+
+
+def test_inspect_into_a_pipe_closed_early_exits_quietly(tmp_path, data_dir, make_config):
+    from moe_train.trainer.loop import Trainer
+
+    cfg = make_config(tmp_path, steps=1, eval_interval=0, save_interval=1)
+    cfg.data.path = str(data_dir)
+    Trainer(cfg).train()
+    proc = subprocess.run(f"{sys.executable} -m moe_train.cli inspect {tmp_path / 'run'} | head -c 10",
+                          shell=True, capture_output=True, text=True, timeout=120)
+    assert len(proc.stdout) == 10 and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("word,value", [("on", True), ("off", False), ("yes", True), ("no", False), ("0", False)])
+def test_boolean_overrides_take_the_words_yaml_does(word, value, capsys):
+    assert main(["info", f"--train.progress={word}"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["train"]["progress"] is value

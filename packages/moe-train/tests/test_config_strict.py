@@ -145,6 +145,7 @@ def test_a_yaml_integer_past_2_to_the_53_stays_exact(tmp_path, capsys):
     ("--model.vocab_size=4611686018427387904", "model.vocab_size=4611686018427387904: expected model.d_model=128 "
                                                "times it <= 2**48 elements in one weight"),
     ("--model.d_model=2147483648", "model.num_heads x head_dim=2147483648: expected model.d_model=2147483648 times it"),
+    ("--model.num_layers=65537", "model.num_layers=65537: expected <= 65536"),
     ("--train.seed=1e20", "train.seed='1e20': expected an integer written in digits (a float this large is rounded)"),
 ])
 def test_values_that_would_overflow_in_torch_or_datetime_exit_2_naming_the_bound(override, message, capsys):

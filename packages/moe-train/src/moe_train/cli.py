@@ -152,7 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = _parser().parse_known_args(argv)
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning
-        return _run(args, rest)
+        try:
+            return _run(args, rest)
+        except BrokenPipeError:  # `moe-train inspect RUN | head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing to flush into it at exit
+            return 0
 
 
 def _run(args, rest) -> int:

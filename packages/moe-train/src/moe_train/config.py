@@ -137,6 +137,7 @@ REMOVED_FIELDS = {
 
 
 # Upper bounds on values that pass every range check yet fail deep inside torch or datetime with a traceback.
+MAX_LAYERS = 65536  # a typo guard: parameter counts and model building walk the layers one by one
 # torch's CPU generator keeps the low 32 bits of a seed: seeds 0 and 2**32 would draw the same run
 MAX_SEED = 2**32 - 1
 SEED_RANGE = "an integer in [0, 2**32 - 1] (torch's CPU generator keeps 32 bits of a seed)"
@@ -204,6 +205,7 @@ def validate(cfg: Config) -> Config:
     m, r, d, t, p = cfg.model, cfg.model.router, cfg.data, cfg.train, cfg.parallel
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "dense_hidden"):
         _check(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "a positive integer")
+    _check(m.num_layers <= MAX_LAYERS, "model.num_layers", m.num_layers, f"<= {MAX_LAYERS}")
     _check(m.head_dim is None or m.head_dim > 0, "model.head_dim", m.head_dim,
            "a positive integer (or null for model.d_model // model.num_heads)")
     for name in ("rope_theta", "norm_eps", "init_std"):

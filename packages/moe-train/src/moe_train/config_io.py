@@ -19,6 +19,11 @@ def _field_types(obj: Any) -> dict[str, Any]:
     return typing.get_type_hints(type(obj))
 
 
+# the words YAML 1.1 reads as booleans, so a command-line override takes what a config file does
+TRUE_WORDS = ("true", "1", "yes", "on")
+FALSE_WORDS = ("false", "0", "no", "off")
+
+
 def _coerce(name: str, raw: Any, annotation: Any) -> Any:
     """Convert a YAML value or an override string to the field's declared type."""
     inner = optional_inner(annotation)
@@ -38,8 +43,8 @@ def _coerce(name: str, raw: Any, annotation: Any) -> Any:
     if annotation is bool:
         if isinstance(raw, bool):
             return raw
-        if isinstance(raw, str) and raw.lower() in ("true", "1", "yes", "false", "0", "no"):
-            return raw.lower() in ("true", "1", "yes")
+        if isinstance(raw, str) and raw.lower() in TRUE_WORDS + FALSE_WORDS:
+            return raw.lower() in TRUE_WORDS
         raise ConfigError(f"{name}={raw!r}: expected true or false")
     if annotation is int:
         return _integer(name, raw)
