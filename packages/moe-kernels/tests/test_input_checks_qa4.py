@@ -198,6 +198,18 @@ def test_offsets_on_another_device_than_the_rows_are_refused(backend):
         swiglu_experts(rows, w1, w2, offsets, backend=backend)
 
 
+def test_a_route_map_built_by_hand_is_held_to_build_route_maps_shapes():
+    import dataclasses
+
+    rm, *_ = problem()
+    with pytest.raises(ValueError, match="expected num_tokens >= 0, top_k >= 1"):
+        dataclasses.replace(rm, top_k=0)
+    with pytest.raises(ValueError, match=r"RouteMap.sort_order has shape \(10,\), expected \(15,\)"):
+        dataclasses.replace(rm, top_k=3)
+    with pytest.raises(ValueError, match=r"RouteMap.counts has shape \(3,\), expected \(4,\)"):
+        dataclasses.replace(rm, num_experts=4)
+
+
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton or numpy (its interpreter needs it) is not installed")
 def test_input_checks_hold_under_the_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -33,6 +33,19 @@ class RouteMap:
     sort_order: torch.Tensor
     dest_row: torch.Tensor
 
+    def __post_init__(self):
+        """A map built by hand (another dispatcher) is held to the shapes build_route_map gives."""
+        if self.top_k < 1 or self.num_experts < 1 or self.num_tokens < 0:
+            raise ValueError(
+                f"RouteMap(num_tokens={self.num_tokens}, top_k={self.top_k}, num_experts={self.num_experts}): "
+                "expected num_tokens >= 0, top_k >= 1 and num_experts >= 1"
+            )
+        rows, e = self.num_tokens * self.top_k, self.num_experts
+        for name, want in (("counts", (e,)), ("offsets", (e,)), ("sort_order", (rows,)), ("dest_row", (rows,))):
+            got = tuple(getattr(self, name).shape)
+            if got != want:
+                raise ValueError(f"RouteMap.{name} has shape {got}, expected {want} (T={self.num_tokens}, k={self.top_k}, E={e})")
+
     @property
     def num_rows(self) -> int:
         return self.num_tokens * self.top_k
