@@ -9,11 +9,12 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 from moe_train.cli import main
-from moe_train.config import MAX_COLLECTIVE_TIMEOUT_S, MAX_SEED, Config, DataConfig, ModelConfig, TrainConfig
+from moe_train.config import INT64_MAX, MAX_COLLECTIVE_TIMEOUT_S, Config, DataConfig, ModelConfig, TrainConfig
 
 
 def cli(*argv: str, cwd=None) -> subprocess.CompletedProcess:
@@ -134,8 +135,6 @@ def test_a_yaml_integer_past_2_to_the_53_stays_exact(tmp_path, capsys):
 @pytest.mark.parametrize("override,message", [
     ("--train.seed=18446744073709551616", "train.seed=18446744073709551616: expected an integer in [-2**63, 2**63"),
     ("--train.seed=9223372036854775808", "train.seed=9223372036854775808: expected an integer in [-2**63, 2**63 - 1]"),
-    ("--train.seed=4294967296", "train.seed=4294967296: expected an integer in [0, 2**32 - 1] (torch's CPU generator"),
-    ("--data.seed=4294967296", "data.seed=4294967296: expected an integer in [0, 2**32 - 1]"),
     ("--data.seed=18446744073709551616", "data.seed=18446744073709551616: expected an integer in [-2**63, 2**63 - 1]"),
     ("--train.grad_accum=18446744073709551616", "train.grad_accum=18446744073709551616: expected an integer in"),
     ("--train.steps=-9223372036854775809", "train.steps=-9223372036854775809: expected an integer in"),
@@ -159,13 +158,11 @@ def test_a_yaml_float_too_large_to_hold_an_integer_exactly_is_refused(tmp_path, 
 
 
 def test_the_largest_accepted_seed_and_timeout_are_taken_by_torch_and_datetime(capsys):
-    cfg = resolved(capsys, ["info", f"--train.seed={MAX_SEED}", f"--data.seed={MAX_SEED}",
+    cfg = resolved(capsys, ["info", f"--train.seed={INT64_MAX}", f"--data.seed={INT64_MAX}",
                             f"--parallel.collective_timeout_s={MAX_COLLECTIVE_TIMEOUT_S}"])
-    assert cfg["train"]["seed"] == cfg["data"]["seed"] == MAX_SEED
-    # every accepted seed draws its own numbers (seeds 2**32 apart would not, on the CPU)
-    draw = lambda seed: torch.randn(4, generator=torch.Generator().manual_seed(seed))  # noqa: E731
-    assert not torch.equal(draw(MAX_SEED), draw(0))
-    assert torch.equal(draw(2**32), draw(0))  # why the range stops there
+    assert cfg["train"]["seed"] == cfg["data"]["seed"] == INT64_MAX
+    torch.Generator().manual_seed(cfg["train"]["seed"])
+    np.random.default_rng([cfg["data"]["seed"], 0])  # the sampler's generator takes the whole integer
     datetime.timedelta(seconds=cfg["parallel"]["collective_timeout_s"])
 
 
@@ -202,3 +199,24 @@ def test_yaml_numbers_in_usual_forms_are_taken(text, value, tmp_path, capsys):
     field = "lr" if isinstance(value, float) else "warmup_steps"
     (tmp_path / "c.yaml").write_text(f"train:\n  {field}: {text}\n")
     assert resolved(capsys, ["info", "--config", str(tmp_path / "c.yaml")])["train"][field] == value
+
+
+def test_a_seed_past_32_bits_is_taken_and_on_the_cpu_the_trainer_says_what_it_initialises_as(tmp_path, data_dir, make_config):
+    import warnings
+
+    from moe_train.trainer.loop import Trainer
+
+    cfg = make_config(tmp_path, steps=1, eval_interval=0, save_interval=0)
+    cfg.data.path = str(data_dir)
+    cfg.train.seed = 2**32 + 5
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(cfg)
+    assert any(f"train.seed={2**32 + 5}: torch's CPU generator keeps the low 32 bits" in str(w.message)
+               and "initialises as train.seed=5 does" in str(w.message) for w in caught)
+
+
+def test_octal_numbers_inside_yaml_lists_are_refused(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text("model:\n  num_layers: 16\n  dense_layers: [0, 010]\n")
+    line = error_line(capsys, ["info", "--config", str(tmp_path / "c.yaml")])
+    assert "model.dense_layers: YAML 1.1 reads 010 as 8 (octal or base 60); write the number in decimal digits" in line

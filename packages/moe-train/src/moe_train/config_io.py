@@ -135,6 +135,14 @@ _YAML_READ_AS = {"tag:yaml.org,2002:int": "the number", "tag:yaml.org,2002:float
                  "tag:yaml.org,2002:bool": "the boolean", "tag:yaml.org,2002:timestamp": "the date"}
 
 
+_YAML_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+
+
+def _refuse_yaml_1_1_number(loader: yaml.SafeLoader, node: yaml.ScalarNode, dotted: str) -> None:
+    raise ConfigError(f"{dotted}: YAML 1.1 reads {node.value} as {loader.construct_object(node)} (octal or base 60); "
+                      "write the number in decimal digits")
+
+
 def _refuse_silent_rewrites(loader: yaml.SafeLoader, node: yaml.Node, prefix: str, file: str, seen: set[int]) -> None:
     """What yaml.safe_load accepts without a word but a config must not: a key twice in one mapping (the
     last would win), and an unquoted scalar YAML 1.1 reads as a number, boolean or date where the field
@@ -144,6 +152,8 @@ def _refuse_silent_rewrites(loader: yaml.SafeLoader, node: yaml.Node, prefix: st
     seen.add(id(node))
     if isinstance(node, yaml.SequenceNode):
         for item in node.value:
+            if isinstance(item, yaml.ScalarNode) and item.tag in _YAML_NUMBER_TAGS and _YAML_1_1_NUMBER.fullmatch(item.value):
+                _refuse_yaml_1_1_number(loader, item, prefix.rstrip("."))
             _refuse_silent_rewrites(loader, item, f"{prefix}[].", file, seen)
     if not isinstance(node, yaml.MappingNode):
         return
@@ -162,9 +172,7 @@ def _refuse_silent_rewrites(loader: yaml.SafeLoader, node: yaml.Node, prefix: st
         annotation = _field_annotation(dotted)
         read_as = _YAML_READ_AS.get(value_node.tag) if isinstance(value_node, yaml.ScalarNode) else None
         if read_as and _YAML_1_1_NUMBER.fullmatch(value_node.value) and str not in (annotation, optional_inner(annotation)):
-            value = loader.construct_object(value_node)
-            raise ConfigError(f"{dotted}: YAML 1.1 reads {value_node.value} as {value} (octal or base 60); "
-                              f"write the number in decimal digits")
+            _refuse_yaml_1_1_number(loader, value_node, dotted)
         if read_as and str in (annotation, optional_inner(annotation)):
             value = loader.construct_object(value_node)
             shown = str(value).lower() if isinstance(value, bool) else value

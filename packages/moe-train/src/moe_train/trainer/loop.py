@@ -54,6 +54,9 @@ class Trainer:
             raise DataError(f"{data_dir}: the eval split has {splits['eval'].tokens.size} tokens, fewer than one window "
                             f"of data.seq_len+1={cfg.data.seq_len + 1}; prepare more data, shorten data.seq_len, "
                             "or set train.eval_interval=0")
+        if self.device.type == "cpu" and t.seed >= 2**32 and self.is_main:
+            warnings.warn(f"train.seed={t.seed}: torch's CPU generator keeps the low 32 bits of a seed, so on the "
+                          f"CPU this run initialises as train.seed={t.seed % 2**32} does", stacklevel=2)
         torch.manual_seed(t.seed)
         self.model = rt.setup(Transformer(cfg.model, device="meta"))  # each rank allocates only its slice
         self.run_dir = Path(t.run_dir)
