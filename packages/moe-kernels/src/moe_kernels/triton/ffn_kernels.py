@@ -175,7 +175,8 @@ def tune_block_plan(x, w1, w2, offsets, sort_order, dest_row, top_k) -> BlockPla
 
     t_scatter = bench(lambda: scatter_rows(x, dest_row, top_k)) if routed else 0.0
     t_fwd1 = {"fused": bench(lambda: fwd1_fused(False)), "grouped_mm": bench(lambda: swiglu_forward(gemm(xs, w1, offsets, "grouped_mm")))}
-    t_fwd1["triton"] = bench(lambda: fwd1_fused(True)) if routed else t_fwd1["fused"]
+    if routed:  # without routing the rows are already in order: "triton" would time "fused" again
+        t_fwd1["triton"] = bench(lambda: fwd1_fused(True))
     t_w1 = {impl: bench(lambda impl=impl: wgrad(xs, d_pre, offsets, E, impl, w1.dtype)) for impl in ("triton", "grouped_mm")}
     if routed:
         t_w1_gather = bench(lambda: grouped_wgrad_launch(x, d_pre, offsets, E, gather=sort_order, top_k=top_k, out_dtype=w1.dtype))
@@ -185,7 +186,7 @@ def tune_block_plan(x, w1, w2, offsets, sort_order, dest_row, top_k) -> BlockPla
         ("fused", "triton"): t_fwd1["fused"] + t_w1_gather,
         ("fused", "grouped_mm"): t_fwd1["fused"] + t_scatter + t_w1["grouped_mm"],
     }
-    for impl in ("triton", "grouped_mm") if routed else ("grouped_mm",):  # without routing "triton" is "fused"
+    for impl in ("triton", "grouped_mm") if routed else ("grouped_mm",):
         for w1_impl in ("triton", "grouped_mm"):
             combos[(impl, w1_impl)] = t_scatter + t_fwd1[impl] + t_w1[w1_impl]
     fwd1, wgrad1 = min(combos, key=combos.get)
