@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_kernels.grouped_gemm import GemmBackend, checked_offsets, grouped_gemm, torch_grouped_mm_supported
-from moe_kernels.permute import check_router_weights, check_rows, combine, permute
+from moe_kernels.permute import check_router_weights, check_rows, check_token_rows, combine, permute
 from moe_kernels.route_map import RouteMap
 from moe_kernels.triton import use_triton
 
@@ -75,15 +75,10 @@ def moe_ffn(
     Same result as combine(swiglu_experts(permute(x, rm), ...), rm, weights); autograd flows to
     x, weights, w_gate_up and w_down.
     """
-    check_rows("x", x, "T")
+    check_token_rows(x, route_map)
     _check_weights(x, w_gate_up, w_down)
     if route_map.num_experts != w_gate_up.shape[0]:
         raise ValueError(f"the route map has {route_map.num_experts} experts but w_gate_up has {w_gate_up.shape[0]}")
-    if x.shape[0] != route_map.num_tokens or tuple(weights.shape) != (route_map.num_tokens, route_map.top_k):
-        raise ValueError(
-            f"x {tuple(x.shape)} and weights {tuple(weights.shape)} do not match the route map's "
-            f"T={route_map.num_tokens}, k={route_map.top_k}"
-        )
     check_router_weights(weights, x, route_map)
     plan = _plan(backend, x, w_gate_up, w_down, route_map.offsets, route_map)
     if plan is not None:

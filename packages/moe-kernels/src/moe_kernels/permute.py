@@ -18,6 +18,13 @@ def check_rows(name: str, t: torch.Tensor, rows: str) -> None:
         raise ValueError(f"{name} must be 2-D [{rows}, d], got shape {tuple(t.shape)}")
 
 
+def check_token_rows(x: torch.Tensor, route_map: RouteMap) -> None:
+    """x: the [T, d] token rows the route map was built for."""
+    check_rows("x", x, "T")
+    if x.shape[0] != route_map.num_tokens:
+        raise ValueError(f"x has {x.shape[0]} rows but the route map was built for {route_map.num_tokens} tokens")
+
+
 def check_router_weights(weights: torch.Tensor, x: torch.Tensor, route_map: RouteMap) -> None:
     """weights: [T, k] floating point on x's device (any float dtype: fp32 weights with bf16 rows
     are the usual mix; the sum accumulates in fp32 or wider)."""
@@ -36,9 +43,7 @@ def permute(x: torch.Tensor, route_map: RouteMap, backend: RowBackend = "auto") 
 
     x: [T, d] -> [T*k, d]; row r is x[route_map.source_token[r]].
     """
-    check_rows("x", x, "T")
-    if x.shape[0] != route_map.num_tokens:
-        raise ValueError(f"x has {x.shape[0]} rows but the route map was built for {route_map.num_tokens} tokens")
+    check_token_rows(x, route_map)
     if use_triton(backend, x):
         from moe_kernels.triton.permute_kernels import PermuteFn
 
