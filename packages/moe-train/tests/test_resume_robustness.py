@@ -92,7 +92,7 @@ def test_a_one_process_checkpoint_stores_each_weight_once(tmp_path, data_dir, ma
     assert info["total_bytes"] < 3.1 * param_bytes  # weight + two moments (+ router biases, step): not 4x
     cfg.train.steps = 3
     resumed = Trainer(cfg)
-    resumed.maybe_resume()
+    resumed.restore(resumed.resume_point())
     for name, p in resumed.model.named_parameters():
         assert torch.equal(p, params[name]), name
 

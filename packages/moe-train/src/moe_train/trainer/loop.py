@@ -139,13 +139,6 @@ class Trainer:
         return ckpt.save(self.run_dir, self.step, self.runtime, self.model, self._metadata(),
                          self.cfg.train.keep_last, self.async_saver, self.save_barrier)
 
-    def maybe_resume(self) -> Path | None:
-        """Load the run's latest checkpoint when resuming is on; returns its path, or None."""
-        path = self.resume_point()
-        if path is not None:
-            self.restore(path)
-        return path
-
     def resume_point(self) -> Path | None:
         """The checkpoint this run resumes from (None: it starts at step 0), after the checks that refuse
         to start: a checkpoint of another model (or sequence length), and checkpoint folders past the
