@@ -152,10 +152,12 @@ def bench_shape(name, E, iters, methods, back_to_back=4, seed=0):
         a, b = ours(*args), torch_grouped_mm_block(*args)
         row["rel_err_vs_torch_block"] = [((p.float() - q.float()).norm() / q.float().norm()).item() for p, q in zip(a, b)]
     if "ours" in methods:
-        from moe_kernels.expert_ffn import tuned_plans
+        from moe_kernels.expert_ffn import plan_search_times, tuned_plans
 
         plan = next((v for k, v in tuned_plans().items() if k[1] == tuple(w1.shape) and k[4]), None)
         row["ours_plan"] = dataclasses.asdict(plan) if plan is not None else "n/a"
+        searched = next((v for k, v in plan_search_times().items() if k is not None and k[1] == tuple(w1.shape) and k[4]), {})
+        row["plan_search_ms"] = [[",".join(f"{f}={g}" for f, g in dataclasses.asdict(p).items()), ms] for p, ms in searched.items()]
     return row
 
 

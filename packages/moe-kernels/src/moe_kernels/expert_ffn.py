@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from moe_kernels.grouped_gemm import GemmBackend, checked_offsets, grouped_gemm, torch_grouped_mm_supported
 from moe_kernels.permute import check_router_weights, check_rows, check_token_rows, combine, permute
+from moe_kernels.plan_search import search_plan
 from moe_kernels.route_map import RouteMap
 from moe_kernels.triton import use_triton
 
@@ -103,7 +104,8 @@ def _plan(
     triton: every GEMM on our Triton kernels, with the fusions. torch, on a GPU: every GEMM on
     torch grouped_mm between our permute, SwiGLU and combine kernels. auto, on a GPU: the
     fastest of a GEMM-by-GEMM choice between the two, all-Triton and all-grouped_mm, timed once
-    per shape (rows bucketed to a power of two) and cached."""
+    per shape (rows bucketed to a power of two) and cached; then plans one GEMM away from the
+    winner are timed as whole blocks and a change is kept when it is >1% faster."""
     if backend == "reference" or not use_triton("auto" if backend == "torch" else backend, x):
         return None
     from moe_kernels.triton import ffn_kernels
@@ -121,21 +123,22 @@ def _plan(
     if plan is None:
         if torch.cuda.is_current_stream_capturing():
             return ffn_kernels.ALL_TRITON  # no timing inside a capture; warm up first to get the tuned plan
-        plan = _time_plans(x, w_gate_up, w_down, offsets, route_map)
+        plan = _time_plans(x, w_gate_up, w_down, offsets, route_map, key)
         _PLANS[key] = plan
     return plan
 
 
-def _time_plans(x, w_gate_up, w_down, offsets, route_map):
-    """The GEMM-by-GEMM plan from timing each GEMM alone, checked against all-Triton and
-    all-grouped_mm by timing the whole block forward+backward: GEMMs timed alone do not always
-    add up (L2 reuse, launch gaps), so the whole block decides. Timing runs on the caller's
+def _time_plans(x, w_gate_up, w_down, offsets, route_map, key=None):
+    """The GEMM-by-GEMM plan from timing each GEMM alone, all-Triton and all-grouped_mm seed a
+    local search timed on the whole block forward+backward (plan_search): GEMMs timed alone do
+    not always add up (L2 reuse, launch gaps, clocks under a power cap), so the whole block
+    decides, one GEMM's implementation at a time. Timing runs on the caller's
     tensors (no copies of the weights); if it runs out of memory, the all-Triton plan, which
     needs the least, is used and a warning names the shape."""
     from moe_kernels.triton import ffn_kernels
 
     try:
-        return _fastest_plan(x, w_gate_up, w_down, offsets, route_map)
+        return _fastest_plan(x, w_gate_up, w_down, offsets, route_map, key)
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
         warnings.warn(
@@ -145,7 +148,7 @@ def _time_plans(x, w_gate_up, w_down, offsets, route_map):
         return ffn_kernels.ALL_TRITON
 
 
-def _fastest_plan(x, w_gate_up, w_down, offsets, route_map):
+def _fastest_plan(x, w_gate_up, w_down, offsets, route_map, key=None):
     import triton.testing
 
     from moe_kernels.triton import ffn_kernels
@@ -155,12 +158,12 @@ def _fastest_plan(x, w_gate_up, w_down, offsets, route_map):
         x.detach(), w_gate_up.detach(), w_down.detach(), offsets,
         rm.sort_order if rm is not None else None, rm.dest_row if rm is not None else None, rm.top_k if rm is not None else 1,
     )
-    candidates = list(dict.fromkeys([by_gemm, ffn_kernels.ALL_TRITON, ffn_kernels.ALL_GROUPED_MM]))
     gen = torch.Generator(device=x.device).manual_seed(0)
     leaves = [t.detach().requires_grad_() for t in (x, w_gate_up, w_down)]  # views: no copies
     grad = torch.randn(x.shape, device=x.device, generator=gen).to(x.dtype)
     if rm is not None:
         leaves.append(torch.rand(rm.num_tokens, rm.top_k, device=x.device, generator=gen).requires_grad_())
+
     def step(plan):
         if rm is None:
             out = ffn_kernels.swiglu_ffn_sorted(leaves[0], leaves[1], leaves[2], offsets, plan)
@@ -168,20 +171,41 @@ def _fastest_plan(x, w_gate_up, w_down, offsets, route_map):
             out = ffn_kernels.swiglu_ffn_routed(leaves[0], leaves[3], leaves[1], leaves[2], rm.offsets, rm.sort_order, rm.dest_row, plan)
         torch.autograd.grad(out, leaves, grad)
 
-    for plan in candidates:
-        step(plan)
-    # candidates interleaved over rounds, so a drift in clocks during tuning favours none of them;
-    # a block takes 2-40 ms, so a round of 80 ms holds a few calls of each at the largest shapes
-    times: dict = {plan: [] for plan in candidates}
-    for _ in range(_PLAN_ROUNDS):
-        for plan in candidates:
-            times[plan].append(triton.testing.do_bench(lambda plan=plan: step(plan), warmup=10, rep=80, return_mode="median"))
-    return min(candidates, key=lambda plan: sorted(times[plan])[len(times[plan]) // 2])
+    warmed: set = set()
+
+    def measure(plans):
+        # plans interleaved over rounds, so a drift in clocks during tuning favours none of them;
+        # a block takes 2-40 ms, so a round of 80 ms holds a few calls of each at the largest shapes
+        for plan in plans:
+            if plan not in warmed:
+                step(plan)  # compiles and tunes the GEMMs' block shapes outside the timing
+                warmed.add(plan)
+        times: dict = {plan: [] for plan in plans}
+        for _ in range(_PLAN_ROUNDS):
+            for plan in plans:
+                times[plan].append(triton.testing.do_bench(lambda plan=plan: step(plan), warmup=10, rep=80, return_mode="median"))
+        return {plan: sorted(t)[len(t) // 2] for plan, t in times.items()}
+
+    options = dict(ffn_kernels.PLAN_OPTIONS)
+    if rm is None:  # rows already in order: fwd1 "triton" would run "fused" again
+        options["fwd1"] = tuple(o for o in options["fwd1"] if o != "triton")
+    best, seen = search_plan([by_gemm, ffn_kernels.ALL_TRITON, ffn_kernels.ALL_GROUPED_MM], measure, options, _PLAN_MIN_GAIN)
+    _PLAN_SEARCH_MS[key] = seen
+    return best
 
 
 _PLAN_ROUNDS = 3
+_PLAN_MIN_GAIN = 0.01  # a one-GEMM change is kept only when the whole block gets >1% faster
 
 
 def tuned_plans() -> dict[tuple, object]:
     """The per-shape GEMM plans `auto` has chosen so far (for benchmark reports)."""
     return dict(_PLANS)
+
+
+_PLAN_SEARCH_MS: dict = {}
+
+
+def plan_search_times() -> dict[tuple, dict]:
+    """Per tuning key, every plan the search timed and its whole-block time in ms (for benchmark reports)."""
+    return {k: dict(v) for k, v in _PLAN_SEARCH_MS.items()}

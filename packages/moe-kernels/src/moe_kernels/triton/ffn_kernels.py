@@ -28,6 +28,13 @@ from moe_kernels.triton.grouped_gemm_kernels import grouped_gemm_launch, grouped
 from moe_kernels.triton.permute_kernels import combine_backward, gather_sum, scatter_rows
 from moe_kernels.triton.swiglu_kernels import swiglu_backward, swiglu_forward
 
+PLAN_OPTIONS: dict[str, tuple[str, ...]] = {
+    "fwd1": ("fused", "triton", "grouped_mm"), "fwd2": ("triton", "grouped_mm"),
+    "dgrad2": ("fused", "triton", "grouped_mm"), "wgrad2": ("triton", "grouped_mm"),
+    "dgrad1": ("triton", "grouped_mm"), "wgrad1": ("triton", "grouped_mm"),
+}
+
+
 @dataclass(frozen=True)
 class BlockPlan:
     """How each GEMM of the block runs. "fused": Triton with the block's fusion (fwd1: gather +
@@ -44,9 +51,8 @@ class BlockPlan:
     wgrad1: Literal["triton", "grouped_mm"] = "triton"
 
     def __post_init__(self):
-        allowed = {"fwd1": ("fused", "triton", "grouped_mm"), "dgrad2": ("fused", "triton", "grouped_mm")}
         for f in fields(self):
-            ok = allowed.get(f.name, ("triton", "grouped_mm"))
+            ok = PLAN_OPTIONS[f.name]
             if getattr(self, f.name) not in ok:
                 raise ValueError(f"BlockPlan.{f.name}={getattr(self, f.name)!r} is not one of {ok}")
 
