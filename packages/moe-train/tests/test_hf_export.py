@@ -169,3 +169,60 @@ def test_a_failed_export_leaves_the_previous_one_intact_and_foreign_folders_are_
     assert (out / "notes.txt").read_text() == "mine"
     with pytest.raises(HFConversionError, match="is a file"):
         export(model, out / "notes.txt")
+
+
+ODD_VARIANTS = {  # shapes the variants above do not reach; every one a valid config
+    "d200_head_dim_32": dict(d_model=200, num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True, expert_hidden=40,
+                             tie_embeddings=True, router=dict(top_k=2)),
+    "one_expert": dict(qk_norm=False, num_experts=1, dense_layers=[2], router=dict(top_k=1, normalize_top_k=False)),
+    "top_k_all_experts": dict(qk_norm=True, num_layers=2, dense_layers=[0, 1], shared_expert_hidden=24,
+                              router=dict(gating="sigmoid", top_k=6, expert_bias=True)),
+    "every_layer_dense": dict(qk_norm=True, num_layers=2, dense_layers=[0, 1], router=dict(top_k=2)),
+}
+
+
+@pytest.mark.parametrize("variant", list(ODD_VARIANTS))
+def test_odd_but_valid_configs_export_to_folders_transformers_computes_exactly(variant, tmp_path):
+    model = make_model(**ODD_VARIANTS[variant])
+    out = tmp_path / "not" / "yet" / "there"  # the parents are created
+    export(model, out)
+    hf = load_hf(out)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (model(tokens)[0] - hf(tokens).logits).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize(("value", "dtype", "count"), [(float("nan"), "fp32", 1), (float("inf"), "bf16", 1),
+                                                      (3.4e38, "bf16", 1)])
+def test_non_finite_weights_are_refused_and_the_previous_export_is_kept(value, dtype, count, tmp_path):
+    """Before: a diverged checkpoint (or an fp32 value past bf16's range, 3.4e38 -> inf) exported without a
+    word, and transformers then produced NaN logits."""
+    model = make_model(**VARIANTS["qwen3_moe"])
+    out = tmp_path / "hf"
+    export(model, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    state = dict(model.state_dict())
+    w = state["blocks.2.mlp.experts.w_down"].clone()
+    w[3, 5, 7] = value
+    state["blocks.2.mlp.experts.w_down"] = w
+    with pytest.raises(HFConversionError, match=rf"tensor blocks.2.mlp.experts.w_down \(exported as "
+                                                rf"model.layers.2.mlp.experts.3.down_proj.weight, .*\) holds {count} "
+                                                r"NaN / Inf values of 1152: expected finite weights"):
+        export_hf_folder(dataclasses.asdict(model.cfg), state, out, dtype=dtype)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]
+
+
+def test_a_missing_tokenizer_is_refused_before_any_tensor_is_read(tmp_path):
+    """Before: every shard was converted and written (minutes for a large model), then the export failed."""
+    model = make_model(**VARIANTS["qwen3_moe"])
+    state, read = model.state_dict(), []
+
+    def source(name: str) -> torch.Tensor:
+        read.append(name)
+        return state[name]
+
+    with pytest.raises(HFConversionError, match=r"tokenizer_json='.*nowhere.json' is not a file"):
+        export_hf_folder(dataclasses.asdict(model.cfg), source, tmp_path / "hf",
+                         tokenizer_json=tmp_path / "nowhere.json")
+    assert read == [] and list(tmp_path.iterdir()) == []

@@ -161,3 +161,43 @@ def test_tokenizer_files_load_with_auto_tokenizer(tmp_path):
     for text in ("hello world", "x" * 700 + " hello"):
         assert auto(text)["input_ids"] == tok.encode(text).ids
     assert auto.eos_token == "<|endoftext|>"
+
+
+MAX_SHARD = 100_000  # two shards and an index for the qwen3_moe variant
+
+
+def _drop_config_key(folder, key: str) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg[key]
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    (lambda d: (d / "config.json").write_text("{"), r"config.json is not valid JSON \(JSONDecodeError"),
+    (lambda d: (d / "config.json").write_text("[]"), r"config.json holds a JSON list, expected an object"),
+    (lambda d: _drop_config_key(d, "hidden_size"),
+     r"config.json has no 'hidden_size'; expected a transformers config.json"),
+    (lambda d: (d / "model.safetensors.index.json").write_text("{"), r"model.safetensors.index.json is not valid JSON"),
+    (lambda d: (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.embed_tokens.weight": "../outside.safetensors"}})),
+     r"names shard files \['../outside.safetensors'\] outside the folder"),
+    (lambda d: (d / "model-00001-of-00002.safetensors").write_bytes(b"\x10" + b"\0" * 7 + b"{}"),
+     r"model-00001-of-00002.safetensors is not a readable safetensors file \(SafetensorError"),
+])
+def test_a_damaged_hf_folder_is_refused_naming_the_file(damage, message, tmp_path):
+    """Before: json's JSONDecodeError, AttributeError / KeyError from the config, safetensors' own error, and a
+    weight_map entry '../x' was opened outside the folder."""
+    export_hf(make_model(**VARIANTS["qwen3_moe"]), tmp_path / "hf", dtype="fp32", max_shard_bytes=MAX_SHARD)
+    assert (tmp_path / "hf" / "model-00001-of-00002.safetensors").is_file()
+    damage(tmp_path / "hf")
+    with pytest.raises(HFConversionError, match=message):
+        import_hf(tmp_path / "hf")
+
+
+def test_an_import_output_with_a_damaged_model_file_is_an_hf_error_on_export(tmp_path):
+    import_hf(export_hf(make_model(**VARIANTS["llama"]), tmp_path / "hf", dtype="fp32").folder, tmp_path / "ours")
+    written = sorted(p.name for p in (tmp_path / "ours").iterdir())
+    assert written == ["config.json", "hf_extra.json", "model.safetensors"]  # no temporary names left
+    (tmp_path / "ours" / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(HFConversionError, match=r"ours/model.safetensors is not a readable safetensors file"):
+        export_hf(tmp_path / "ours", tmp_path / "again", dtype="fp32")

@@ -45,3 +45,12 @@ class PeerCheckpointError(CheckpointError):
 
 class LayoutError(CheckpointError):
     """The pieces handed to save do not tile their tensors exactly (gaps, overlaps, disagreement)."""
+
+
+class CorruptShardError(CheckpointError):
+    """A shard file is not the safetensors file index.json describes (unreadable header, or a piece
+    missing or stored with another dtype / shape) although its size and checksum may match."""
+
+
+class NonFiniteTensorError(CheckpointError):
+    """A tensor read with require_finite=True holds NaN or Inf (never a valid resume point for weights)."""

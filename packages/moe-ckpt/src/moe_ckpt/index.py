@@ -8,8 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_ckpt.errors import CheckpointError, CorruptMetadataError, IncompleteCheckpointError, LayoutError
-from moe_ckpt.geometry import Box, Region, as_boxes, describe, intersect, region_from_json
+from moe_ckpt.geometry import Box, Region, as_boxes, check_region, describe, intersect, region_from_json
 from moe_ckpt.run_dir import INDEX, TMP_MARK
+from moe_ckpt.shard_file import Checksum
+from moe_ckpt.spec import DTYPE_NAMES
 
 FORMAT = "moe-ckpt"
 VERSION = 1
@@ -60,14 +62,51 @@ class Index:
 
     @staticmethod
     def from_json(d: dict) -> Index:
+        """Parse and check index.json: ValueError naming the entry that is not what a save writes."""
+        _need(isinstance(d, dict), f"the top level is {type(d).__name__}, expected a JSON object")
         if d.get("format") != FORMAT or d.get("version") != VERSION:
             raise CheckpointError(f"index format {d.get('format')!r} v{d.get('version')!r} is not {FORMAT!r} v{VERSION}")
-        tensors = {
-            name: TensorEntry(tuple(t["shape"]), t["dtype"],
-                              [Piece(p["file"], p["key"], region_from_json(p)) for p in t["pieces"]])
-            for name, t in d["tensors"].items()
-        }
-        return Index(d["world_size"], d["checksum_algorithm"], d["files"], tensors)
+        world, algorithm, files, tensors = (d.get(k) for k in ("world_size", "checksum_algorithm", "files", "tensors"))
+        _need(_is_int(world) and world >= 1, f"world_size={world!r}, expected an integer >= 1")
+        _need(algorithm in Checksum.ALGORITHMS,
+              f"checksum_algorithm={algorithm!r}, expected one of {Checksum.ALGORITHMS}")
+        _need(isinstance(files, dict), f"'files' is {type(files).__name__}, expected an object")
+        for fname, rec in files.items():
+            _need(fname not in ("", ".", "..") and "/" not in fname and "\\" not in fname,
+                  f"file name {fname!r} is not a plain file name inside the checkpoint folder")
+            _need(isinstance(rec, dict) and _is_int(rec.get("rank")) and _is_int(rec.get("bytes"))
+                  and rec["bytes"] >= 0 and isinstance(rec.get("checksum"), str),
+                  f"file {fname!r}: record {rec!r}, expected {{'rank': int, 'bytes': int >= 0, 'checksum': str}}")
+        ranks = sorted(rec["rank"] for rec in files.values())
+        _need(ranks == list(range(world)), f"'files' holds shard files of ranks {ranks}, expected one per rank "
+                                           f"0..{world - 1} (world_size={world})")
+        _need(isinstance(tensors, dict), f"'tensors' is {type(tensors).__name__}, expected an object")
+        return Index(world, algorithm, files, {name: _entry(name, t, files) for name, t in tensors.items()})
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(what)
+
+
+def _entry(name: str, t: object, files: dict[str, dict]) -> TensorEntry:
+    _need(isinstance(t, dict) and isinstance(t.get("pieces"), list), f"tensor {name!r}: {t!r} has no list of pieces")
+    shape, dtype = t.get("shape"), t.get("dtype")
+    _need(isinstance(shape, list) and all(_is_int(n) and n >= 0 for n in shape),
+          f"tensor {name!r}: shape {shape!r}, expected a list of integers >= 0")
+    _need(dtype in DTYPE_NAMES, f"tensor {name!r}: dtype {dtype!r}, expected one of {sorted(DTYPE_NAMES)}")
+    pieces = []
+    for p in t["pieces"]:
+        _need(isinstance(p, dict) and p.get("file") in files and isinstance(p.get("key"), str),
+              f"tensor {name!r}: piece {p!r} does not name a key and a file listed in 'files'")
+        region = region_from_json(p)
+        check_region(tuple(shape), region, f"tensor {name!r}: piece {p['key']!r}")
+        pieces.append(Piece(p["file"], p["key"], region))
+    return TensorEntry(tuple(shape), dtype, pieces)
 
 
 def read_index(path: Path) -> Index:
@@ -78,8 +117,13 @@ def read_index(path: Path) -> Index:
     try:
         with open(path / INDEX) as f:
             return Index.from_json(json.load(f))
+    except CheckpointError as e:  # another format or version
+        raise CheckpointError(f"{path / INDEX}: {e}") from None
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{path} has no {INDEX}: not a committed checkpoint") from None
+    except (IsADirectoryError, NotADirectoryError) as e:
+        raise CorruptMetadataError(f"{path / INDEX} is not a file ({type(e).__name__}); "
+                                   "the checkpoint cannot be read") from None
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
         raise CorruptMetadataError(f"{path / INDEX} is damaged ({type(e).__name__}: {e}); the checkpoint cannot be read") from None
 

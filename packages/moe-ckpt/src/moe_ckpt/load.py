@@ -20,9 +20,11 @@ from safetensors import safe_open
 from moe_ckpt.errors import (
     ChecksumMismatchError,
     CorruptMetadataError,
-    IncompleteCheckpointError,
+    CorruptShardError,
     DtypeMismatchError,
+    IncompleteCheckpointError,
     MissingShardFileError,
+    NonFiniteTensorError,
     ShapeMismatchError,
     TensorNotFoundError,
     UncoveredRegionError,
@@ -31,13 +33,13 @@ from moe_ckpt.geometry import Box, FlatRange, Region, as_boxes, check_region, de
 from moe_ckpt.index import Index, Piece, read_index
 from moe_ckpt.run_dir import INDEX, LATEST, METADATA, find_latest
 from moe_ckpt.shard_file import file_checksum
-from moe_ckpt.spec import LoadRequest, dtype_from_name, dtype_name
+from moe_ckpt.spec import LoadRequest, dtype_from_name, dtype_name, safetensors_code
 
 
 def resolve(path: str | Path) -> Path:
     """A checkpoint directory as given, or a run directory's latest committed checkpoint."""
     path = Path(path)
-    if not (path / INDEX).exists() and (path / LATEST).exists():
+    if not (path / INDEX).exists():  # a run directory, with or without its `latest` pointer
         latest = find_latest(path)
         if latest is not None:
             return latest
@@ -50,11 +52,15 @@ def load_metadata(path: str | Path) -> dict:
     read_index(path)  # refuses partial checkpoints
     try:
         with open(path / METADATA) as f:
-            return json.load(f)
+            meta = json.load(f)
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{path} has no {METADATA}: the checkpoint is incomplete") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, IsADirectoryError) as e:
         raise CorruptMetadataError(f"{path / METADATA} is damaged ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, dict):
+        raise CorruptMetadataError(f"{path / METADATA} holds a JSON {type(meta).__name__}, expected an object "
+                                   "(save writes the caller's metadata dict plus 'moe_ckpt')")
+    return meta
 
 
 def load_checkpoint(
@@ -63,22 +69,26 @@ def load_checkpoint(
     *,
     verify: bool = True,
     device: str | torch.device = "cpu",
+    require_finite: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Read the requested regions; returns {name: tensor of shape request.region's local shape}.
 
     requests: None loads every tensor whole. verify: checksum every shard file touched
-    (file sizes are always checked). Raises a CheckpointError subclass naming the
-    tensor, file or region that is wrong.
+    (file sizes and each file's safetensors header against index.json are always checked).
+    require_finite: raise NonFiniteTensorError if a floating-point value read is NaN or Inf
+    (weights and optimizer state: never a valid resume point); the failing request's `out` is left
+    untouched (its parts are held until all are checked), those of earlier requests are filled.
+    Raises a CheckpointError subclass naming the tensor, file or region that is wrong.
     """
     path = resolve(path)
     index = read_index(path)
     if requests is None:
         requests = [LoadRequest(name) for name in index.tensors]
-    _validate(index, requests)
+    _validate(path, index, requests)
     out: dict[str, torch.Tensor] = {}
     with _Files(path, index, verify) as files:
         for req in requests:
-            out[req.name] = _assemble(index, files, req, device)
+            out[req.name] = _assemble(index, files, req, device, require_finite)
     return out
 
 
@@ -95,7 +105,7 @@ def verify_checkpoint(path: str | Path) -> Path:
     return path
 
 
-def _validate(index: Index, requests: Sequence[LoadRequest]) -> None:
+def _validate(path: Path, index: Index, requests: Sequence[LoadRequest]) -> None:
     names = [r.name for r in requests]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -103,27 +113,32 @@ def _validate(index: Index, requests: Sequence[LoadRequest]) -> None:
     missing = [n for n in names if n not in index.tensors]
     if missing:
         known = list(index.tensors)
-        raise TensorNotFoundError(f"tensors {missing} are not in the checkpoint; it has {len(known)} "
+        raise TensorNotFoundError(f"tensors {missing} are not in the checkpoint {path}; it has {len(known)} "
                                   f"tensors, e.g. {known[:8]}")
     for r in requests:
         entry = index.tensors[r.name]
         if r.global_shape is not None and tuple(r.global_shape) != entry.shape:
             raise ShapeMismatchError(f"tensor {r.name!r}: requested global shape {tuple(r.global_shape)}, "
-                                     f"checkpoint has {entry.shape}")
+                                     f"checkpoint has {entry.shape} ({path})")
         if r.dtype is not None and dtype_name(r.dtype) != entry.dtype:
             raise DtypeMismatchError(f"tensor {r.name!r}: requested dtype {dtype_name(r.dtype)}, "
-                                     f"checkpoint has {entry.dtype}")
+                                     f"checkpoint has {entry.dtype} ({path})")
         if r.region is not None:
             check_region(entry.shape, r.region, f"request for tensor {r.name!r}")
 
 
 class _Files(contextlib.ExitStack):
-    """Opens each shard file once, after checking its size (and checksum when verify)."""
+    """Opens each shard file once, after checking its size (and checksum when verify), and checks that
+    its safetensors header holds every piece index.json places in it, with index.json's dtype and shape."""
 
     def __init__(self, path: Path, index: Index, verify: bool) -> None:
         super().__init__()
         self.path, self.index, self.verify = path, index, verify
         self.handles: dict[str, object] = {}
+        self.pieces: dict[str, list[tuple[str, Piece]]] = {}
+        for name, entry in index.tensors.items():
+            for piece in entry.pieces:
+                self.pieces.setdefault(piece.file, []).append((name, piece))
 
     def get(self, fname: str):
         if fname not in self.handles:
@@ -142,11 +157,32 @@ class _Files(contextlib.ExitStack):
                     raise ChecksumMismatchError(
                         f"shard file {fpath} has {self.index.checksum_algorithm} {got}, index.json says "
                         f"{rec['checksum']}: corrupt")
-            self.handles[fname] = self.enter_context(safe_open(fpath, framework="pt"))
+            try:
+                handle = self.enter_context(safe_open(fpath, framework="pt"))
+            except Exception as e:  # safetensors' own error type: an unreadable header
+                raise CorruptShardError(f"shard file {fpath} is not a readable safetensors file "
+                                        f"({type(e).__name__}: {e})") from None
+            self._check_header(fpath, handle)
+            self.handles[fname] = handle
         return self.handles[fname]
 
+    def _check_header(self, fpath: Path, handle) -> None:
+        keys = set(handle.keys())
+        for name, piece in self.pieces.get(fpath.name, []):
+            if piece.key not in keys:
+                raise CorruptShardError(f"shard file {fpath} has no tensor {piece.key!r}, which index.json lists "
+                                        f"as a piece of {name!r}")
+            sl = handle.get_slice(piece.key)
+            want_code = safetensors_code(dtype_from_name(self.index.tensors[name].dtype))
+            got_shape, want_shape = tuple(sl.get_shape()), piece.region.local_shape
+            shape_ok = (got_shape == want_shape if isinstance(piece.region, Box)
+                        else math.prod(got_shape) == piece.region.length)  # flat pieces of older saves kept a shape
+            if sl.get_dtype() != want_code or not shape_ok:
+                raise CorruptShardError(f"shard file {fpath}: {piece.key!r} is stored as {sl.get_dtype()} "
+                                        f"{list(got_shape)}; index.json says {want_code} {list(want_shape)}")
 
-def _assemble(index: Index, files: _Files, req: LoadRequest, device) -> torch.Tensor:
+
+def _assemble(index: Index, files: _Files, req: LoadRequest, device, require_finite: bool) -> torch.Tensor:
     entry = index.tensors[req.name]
     dtype = dtype_from_name(entry.dtype)
     region = req.region if req.region is not None else Box.whole(entry.shape)
@@ -155,6 +191,8 @@ def _assemble(index: Index, files: _Files, req: LoadRequest, device) -> torch.Te
         raise ValueError(f"tensor {req.name!r}: out has {tuple(dest.shape)} {dest.dtype}, "
                          f"needs {region.local_shape} {dtype}")
     whole = _contained_read(files, entry.pieces, region, entry.shape)
+    if whole is not None and require_finite:
+        _check_finite(files.path, req.name, region, whole)
     if whole is not None:  # one stored piece holds all of it: no assembly buffer, no second copy
         if dest is None:
             return whole.reshape(region.local_shape).to(device)
@@ -167,7 +205,7 @@ def _assemble(index: Index, files: _Files, req: LoadRequest, device) -> torch.Te
     else:
         flat = dest.view(-1)
         targets = [(b, flat[pos : pos + b.numel].view(b.lengths)) for pos, b in as_boxes(entry.shape, region)]
-    covered = 0
+    covered, checked = 0, []
     for piece in entry.pieces:
         for spos, sbox in as_boxes(entry.shape, piece.region):
             for tbox, view in targets:
@@ -175,12 +213,22 @@ def _assemble(index: Index, files: _Files, req: LoadRequest, device) -> torch.Te
                 if hit is None:
                     continue
                 data = _read(files.get(piece.file), piece, spos, sbox, hit)
-                view[hit.slices(tbox.offsets)] = data
+                if require_finite:  # written only once every part is checked: `out` stays as it was
+                    _check_finite(files.path, req.name, hit, data)
+                    checked.append((view, hit.slices(tbox.offsets), data))
+                else:
+                    view[hit.slices(tbox.offsets)] = data
                 covered += hit.numel
+    if covered > region.numel:
+        raise CorruptMetadataError(
+            f"tensor {req.name!r} {entry.shape}: index.json of {files.path} lists pieces that overlap "
+            f"({covered} elements read for the {region.numel} of {describe(region)}); each element has one writer")
     if covered != region.numel:
         raise UncoveredRegionError(
             f"tensor {req.name!r} {entry.shape}: the saved pieces cover {covered} of the {region.numel} "
-            f"elements of {describe(region)}; a shard is missing from index.json")
+            f"elements of {describe(region)}; a shard is missing from index.json of {files.path}")
+    for view, where, data in checked:
+        view[where] = data
     return dest
 
 
@@ -203,17 +251,24 @@ def _contained_read(files: _Files, pieces: list[Piece], region: Region, shape: t
         if (as_flat is not None and isinstance(stored, FlatRange) and stored.start <= as_flat.start
                 and as_flat.start + as_flat.length <= stored.start + stored.length):
             off = as_flat.start - stored.start
-            return files.get(piece.file).get_slice(piece.key)[off : off + as_flat.length]
+            return _flat(files.get(piece.file), piece)[off : off + as_flat.length]
     return None
+
+
+def _flat(handle, piece: Piece):
+    """A stored flat-range piece, sliceable along its one dim. moe-ckpt <= 0.4.1 stored a flat piece with
+    the shape the caller's tensor had; such a piece is read whole and flattened."""
+    sl = handle.get_slice(piece.key)
+    return sl if len(sl.get_shape()) == 1 else handle.get_tensor(piece.key).reshape(-1)
 
 
 def _read(handle, piece: Piece, spos: int, sbox: Box, want: Box) -> torch.Tensor:
     """The part `want` (global coordinates) of stored box `sbox` of `piece`, as a [*want.lengths] tensor."""
-    sl = handle.get_slice(piece.key)
     rel = want.slices(sbox.offsets)
     nd = len(sbox.lengths)
     if isinstance(piece.region, Box):
-        return handle.get_tensor(piece.key) if nd == 0 else sl[rel]
+        return handle.get_tensor(piece.key) if nd == 0 else handle.get_slice(piece.key)[rel]
+    sl = _flat(handle, piece)
     if nd == 0:  # a scalar saved as a flat range of length 1
         return sl[spos : spos + 1].reshape(())
     # sbox is contiguous: length 1 in dims < k, a run in dim k, whole in dims > k.
@@ -222,3 +277,15 @@ def _read(handle, piece: Piece, spos: int, sbox: Box, want: Box) -> torch.Tensor
     a, b = rel[k].start, rel[k].stop
     slab = sl[spos + a * inner : spos + b * inner].reshape((1,) * k + (b - a,) + sbox.lengths[k + 1 :])
     return slab[(slice(None),) * (k + 1) + rel[k + 1 :]]
+
+
+def _check_finite(path: Path, name: str, region: Region, data: torch.Tensor) -> None:
+    if not data.is_floating_point():
+        return
+    bad = ~torch.isfinite(data)
+    if bool(bad.any()):
+        nan, total = int(torch.isnan(data).sum()), int(bad.sum())
+        raise NonFiniteTensorError(
+            f"tensor {name!r} in {path}: {describe(region)} holds {nan} NaN and {total - nan} Inf of "
+            f"{data.numel()} values (first at flat index {int(bad.reshape(-1).nonzero()[0])} of that region); "
+            "expected finite values: this checkpoint is not a valid resume point, resume from an earlier one")

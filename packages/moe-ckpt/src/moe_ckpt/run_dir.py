@@ -19,6 +19,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+from moe_ckpt.errors import CheckpointError
 from moe_ckpt.shard_file import fsync_dir
 
 INDEX = "index.json"
@@ -58,13 +59,16 @@ def is_complete(path: Path) -> bool:
 def list_checkpoints(root: str | Path) -> list[Path]:
     """Committed checkpoints under `root`, oldest step first.
 
-    Only folders named as step_dir names them: a copy such as step-00000003.bak or a folder
+    Only real folders named as step_dir names them: a copy such as step-00000003.bak or a folder
     backup-before-lr-change holds an index.json too, but is the user's (retention never deletes
-    it, find_latest never returns it)."""
+    it, find_latest never returns it). So is a symbolic link, even one named step-00000003: a save
+    never makes one, and one that points into another run must neither be resumed as this run's
+    step nor be deleted (or renamed) by this run's retention."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(step, p) for p in root.iterdir() if (step := step_of(p)) is not None and p.is_dir() and is_complete(p)]
+    found = [(step, p) for p in root.iterdir()
+             if (step := step_of(p)) is not None and not p.is_symlink() and p.is_dir() and is_complete(p)]
     return [p for _, p in sorted(found)]
 
 
@@ -133,6 +137,8 @@ def remove_leftovers(root: Path) -> list[Path]:
 
 def remove_checkpoint(path: Path) -> None:
     """Delete a checkpoint so that a crash half-way never leaves something that looks complete."""
+    if path.is_symlink() or not path.is_dir():  # never through a link, never a link's target
+        raise CheckpointError(f"{path} is not a checkpoint folder (a symbolic link or a file); not deleting it")
     doomed = path.with_name(f"{path.name}{TMP_MARK}-delete-{uuid.uuid4().hex[:8]}")
     os.rename(path, doomed)
     fsync_dir(path.parent)

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from moe_ckpt.errors import CheckpointError
-from moe_ckpt.geometry import describe
+from moe_ckpt.geometry import FlatRange, describe
 from moe_ckpt.index import VERSION, build_index, manifest_name, shard_file_name
 from moe_ckpt.run_dir import (
     INDEX, METADATA, apply_retention, is_complete, remove_leftovers, tmp_dir_for, write_latest,
@@ -126,7 +126,8 @@ def _write_rank(tmp: Path, shards: Sequence[ShardSpec], rank: int, world_size: i
         if key in seen:
             raise ValueError(f"rank {rank}: piece {key!r} is listed twice")
         seen.add(key)
-        entries.append((key, s.tensor))
+        # a flat range is stored 1-D whatever shape the caller's tensor has: readers slice it along one dim
+        entries.append((key, s.tensor.reshape(-1) if isinstance(s.region, FlatRange) else s.tensor))
         pieces.append({"name": s.name, "shape": list(s.global_shape), "dtype": dtype_name(s.dtype),
                        "key": key, **s.region.to_json()})
     fname = shard_file_name(rank, world_size)

@@ -25,6 +25,7 @@ _DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "float8_e5m2": (torch.float8_e5m2, "F8_E5M2"),
 }
 _BY_DTYPE = {dt: name for name, (dt, _) in _DTYPES.items()}
+DTYPE_NAMES = frozenset(_DTYPES)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

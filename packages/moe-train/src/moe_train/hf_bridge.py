@@ -20,11 +20,12 @@ from typing import Any
 
 import torch
 from huggingface_hub import HfApi
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moe_ckpt import LoadRequest, inspect_checkpoint, load_checkpoint, load_metadata, verify_checkpoint
-from moe_ckpt.hf import ExportSummary, HFConversionError, TensorSource, export_hf_folder, open_hf_folder
+from moe_ckpt.hf import (
+    ExportSummary, HFConversionError, TensorSource, export_hf_folder, open_hf_folder, open_safetensors, read_json_object,
+)
 from moe_train.config import Config, ConfigError
 from moe_train.config_io import config_from_dict, export_config_from_dict
 from moe_train.model import Transformer
@@ -60,15 +61,15 @@ def _safetensors_reader(path: Path) -> tuple[dict[str, Any], TensorSource] | Non
     if not weights.is_file():
         return None
     if (path / "config.json").is_file():
-        cfg = json.loads((path / "config.json").read_text())
+        cfg = read_json_object(path / "config.json")
     elif (path / "state.json").is_file():
-        cfg = json.loads((path / "state.json").read_text()).get("config")
+        cfg = read_json_object(path / "state.json").get("config")
     else:
         cfg = None
     if not isinstance(cfg, dict) or "model" not in cfg:
         raise HFConversionError(f"checkpoint {str(path)!r}: expected config.json (Config.to_dict()) or a state.json "
                                 "with a 'config' entry beside model.safetensors")
-    handle = safe_open(str(weights), framework="pt")  # lazy: one tensor is read per call
+    handle = open_safetensors(weights)  # lazy: one tensor is read per call
     return cfg, lambda name: handle.get_tensor(name)
 
 
@@ -153,7 +154,7 @@ def export_hf(
                 "no tokenizer.json: run from the training directory or pass tokenizer_json=", stacklevel=2)
         extra_file = _resolve_checkpoint(Path(source)) / HF_EXTRA_FILE
         if extra_file.is_file():
-            extra.update(json.loads(extra_file.read_text()))
+            extra.update(read_json_object(extra_file))
     extra.update(extra_config or {})
     kwargs = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
     summary = export_hf_folder(model_dict, tensors, out_dir, dtype=dtype, tokenizer_json=tokenizer_json,
@@ -191,7 +192,16 @@ def import_hf(
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         unique = {k: v for k, v in state.items() if not (k == "lm_head.weight" and cfg.model.tie_embeddings)}
-        save_file({k: v.contiguous() for k, v in unique.items()}, str(out / "model.safetensors"))
-        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-        (out / HF_EXTRA_FILE).write_text(json.dumps(hf.extra_config, indent=2) + "\n")
+        # Each file under a temporary name first: an interrupted import never leaves a truncated
+        # model.safetensors (or a new config beside old weights) under the names export_hf reads.
+        tmp, names = f".tmp-{os.getpid()}", (HF_EXTRA_FILE, "config.json", "model.safetensors")
+        try:
+            save_file({k: v.contiguous() for k, v in unique.items()}, str(out / f"model.safetensors{tmp}"))
+            (out / f"config.json{tmp}").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            (out / f"{HF_EXTRA_FILE}{tmp}").write_text(json.dumps(hf.extra_config, indent=2) + "\n")
+            for name in names:
+                os.replace(out / f"{name}{tmp}", out / name)
+        finally:
+            for name in names:
+                (out / f"{name}{tmp}").unlink(missing_ok=True)
     return cfg, state

@@ -98,6 +98,9 @@ def export_hf_folder(
     shard_of, total = _assign_shards(plan, dtype, max_shard_bytes)
     n_shards = shard_of[-1] + 1
     final = Path(out_dir)
+    if tokenizer_json is not None and not Path(tokenizer_json).is_file():  # before any shard is written
+        raise HFConversionError(f"tokenizer_json={str(tokenizer_json)!r} is not a file; "
+                                "expected a tokenizers tokenizer.json")
     _check_replaceable(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     out = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -175,7 +178,7 @@ def _write_folder(out, plan, shard_of, n_shards, total, source, dtype, hf_config
                 _write_shard(out, pending, current, n_shards)
                 pending, current = {}, shard_of[k]
             target = torch.float32 if entry.keep_fp32 else TORCH_DTYPES[dtype]
-            pending[name] = t.detach().to("cpu", target).contiguous()
+            pending[name] = _check_finite(t.detach().to("cpu", target).contiguous(), name, entry.ours)
             weight_map[name] = _shard_name(current, n_shards)
             k += 1
         del ours
@@ -190,6 +193,17 @@ def _write_folder(out, plan, shard_of, n_shards, total, source, dtype, hf_config
     return len(weight_map)
 
 
+def _check_finite(t: torch.Tensor, name: str, ours: str | None) -> torch.Tensor:
+    """A NaN or Inf weight (or an fp32 value past the export dtype's range) gives NaN logits in transformers."""
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        raise HFConversionError(
+            f"tensor {ours or name} (exported as {name}, {t.dtype}) holds {int(bad.sum())} NaN / Inf values of "
+            f"{t.numel()}: expected finite weights (a diverged checkpoint, or values beyond {t.dtype}'s range); "
+            "export an earlier checkpoint")
+    return t
+
+
 def _write_shard(out: Path, tensors: dict[str, torch.Tensor], i: int, n: int) -> None:
     save_file(tensors, str(out / _shard_name(i, n)), metadata={"format": "pt"})
 
@@ -202,9 +216,7 @@ def _write_generation_config(out: Path, hf_config: dict[str, Any]) -> None:
 
 def write_tokenizer(out: Path, tokenizer_json: str | Path, hf_config: dict[str, Any]) -> None:
     """Copy tokenizer.json and write a tokenizer_config.json that AutoTokenizer loads (fast tokenizer)."""
-    src = Path(tokenizer_json)
-    if not src.is_file():
-        raise HFConversionError(f"tokenizer_json={str(src)!r} is not a file; expected a tokenizers tokenizer.json")
+    src = Path(tokenizer_json)  # export_hf_folder checked it is a file before writing any shard
     shutil.copyfile(src, out / "tokenizer.json")
     added = {t["id"]: t["content"] for t in json.loads(src.read_text()).get("added_tokens", [])}
     tok_config: dict[str, Any] = {

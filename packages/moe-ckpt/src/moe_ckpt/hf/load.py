@@ -34,7 +34,7 @@ class HFFolder:
     def _read(self, name: str) -> torch.Tensor:
         fname = self.files[name]
         if fname not in self._handles:
-            self._handles[fname] = safe_open(str(self.folder / fname), framework="pt")
+            self._handles[fname] = open_safetensors(self.folder / fname)
         return self._handles[fname].get_tensor(name).float()
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -55,14 +55,41 @@ class HFFolder:
         return dict(self.tensors())
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file that must hold an object; HFConversionError naming the file otherwise."""
+    try:
+        obj = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HFConversionError(f"{path} is not valid JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(obj, dict):
+        raise HFConversionError(f"{path} holds a JSON {type(obj).__name__}, expected an object")
+    return obj
+
+
+def open_safetensors(path: Path):
+    """safe_open, with an unreadable (truncated, foreign) file reported as HFConversionError naming it."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # safetensors' own error type
+        raise HFConversionError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from None
+
+
 def _tensor_files(folder: Path) -> dict[str, str]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        return dict(json.loads(index.read_text())["weight_map"])
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise HFConversionError(f"{index} has no 'weight_map' object (tensor name -> shard file)")
+        bad = sorted({str(f) for f in weight_map.values()
+                      if not isinstance(f, str) or Path(f).name != f or f in ("", ".", "..")})
+        if bad:
+            raise HFConversionError(f"{index} names shard files {bad[:3]} outside the folder; "
+                                    "expected plain file names")
+        return dict(weight_map)
     single = folder / "model.safetensors"
     if not single.is_file():
         raise HFConversionError(f"{str(folder)!r} has neither model.safetensors nor model.safetensors.index.json")
-    with safe_open(str(single), framework="pt") as f:
+    with open_safetensors(single) as f:
         return {k: "model.safetensors" for k in f.keys()}
 
 
@@ -72,7 +99,7 @@ def _shapes(folder: Path, files: dict[str, str]) -> dict[str, tuple[int, ...]]:
         path = folder / fname
         if not path.is_file():
             raise HFConversionError(f"shard {fname} named by the index is missing from {str(folder)!r}")
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             for k in f.keys():
                 shapes[k] = tuple(f.get_slice(k).get_shape())
     return shapes
@@ -84,8 +111,12 @@ def open_hf_folder(folder: str | Path) -> HFFolder:
     cfg_path = root / "config.json"
     if not cfg_path.is_file():
         raise HFConversionError(f"{str(root)!r} has no config.json; expected a Hugging Face model folder")
-    hf_config = json.loads(cfg_path.read_text())
-    model_config, extra = from_hf_config(hf_config)
+    hf_config = read_json_object(cfg_path)
+    try:
+        model_config, extra = from_hf_config(hf_config)
+    except KeyError as e:
+        raise HFConversionError(f"{cfg_path} has no {e}; expected a transformers config.json of one of "
+                                f"{', '.join(ARCH)}") from None
     model_type = hf_config["model_type"]
     arch = (hf_config.get("architectures") or [ARCH[model_type]])[0]
     if arch != ARCH[model_type]:
