@@ -202,8 +202,28 @@ def train_alone(group: dist.ProcessGroup) -> dict:
         torch_step(ref, ref_opt)
         opt.step()
         sync.zero_grads()
+    ref_steps = {n: int(ref_opt.state[p]["step"]) if ref_opt.state[p] else 0 for n, p in ref.named_parameters()}
     return {"weights": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "ref_weights": {n: p.detach().clone() for n, p in ref.named_parameters()}}
+            "ref_weights": {n: p.detach().clone() for n, p in ref.named_parameters()},
+            "step_counts": opt.param_step_counts(), "ref_step_counts": ref_steps,
+            "reloaded": step_counts_reloaded(group, opt.param_step_counts())}
+
+
+def step_counts_reloaded(group: dist.ProcessGroup, counts: dict[str, int]) -> dict:
+    """A fresh optimizer given `counts` (as from a checkpoint): what it then reports, and what it refuses."""
+    flat = FlatParams(list(seeded_model().named_parameters()), group, shard=True, grad_dtype=torch.float32)
+    opt = DistributedAdamW([flat], ADAMW, world=group)
+    opt.step_count = 9  # as a checkpoint's optim.step is set first; the per-parameter counts then win
+    opt.load_param_step_counts(counts)
+    out = {"counts": opt.param_step_counts(), "step_count": opt.step_count, "errors": []}
+    for bad in ({k: v for k, v in counts.items() if k != "gate"}, {**counts, "gone": 1}, {**counts, "gate": -1}):
+        try:
+            opt.load_param_step_counts(bad)
+            out["errors"].append("accepted")
+        except ValueError as e:
+            out["errors"].append(str(e))
+    flat.remove_hooks()
+    return out
 
 
 def frozen_parameter_error() -> str:
@@ -301,6 +321,20 @@ def test_world_size_one_leaves_parameters_without_gradient_untouched_as_torch_ad
         for name, w in want.items():
             err = relative_error(got[name], w)
             assert err < WEIGHT_RTOL, f"rank {r} alone: {name} differs from torch AdamW by {err:.2e}"
+
+
+def test_per_parameter_step_counts_by_name_match_torch_adamw_and_reload(ranks):
+    for r, res in enumerate(ranks):
+        alone = res["alone"]
+        counts = alone["step_counts"]
+        assert counts == alone["ref_step_counts"], f"rank {r}: {counts} vs torch AdamW {alone['ref_step_counts']}"
+        assert counts["never"] == 0 and counts["inp.weight"] == STEPS and 0 < counts["gate"] < STEPS  # they differ
+        reloaded = alone["reloaded"]
+        assert reloaded["counts"] == counts and reloaded["step_count"] == 9
+        missing, unknown, negative = reloaded["errors"]
+        assert "step counts: no count for ['gate']; expected one count for each of" in missing, missing
+        assert "step counts: counts for ['gone'], which it does not hold; expected" in unknown, unknown
+        assert "{'gate': -1}: expected integers >= 0" in negative, negative
 
 
 def test_frozen_parameter_is_refused_naming_it(ranks):

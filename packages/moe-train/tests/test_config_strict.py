@@ -220,3 +220,50 @@ def test_octal_numbers_inside_yaml_lists_are_refused(tmp_path, capsys):
     (tmp_path / "c.yaml").write_text("model:\n  num_layers: 16\n  dense_layers: [0, 010]\n")
     line = error_line(capsys, ["info", "--config", str(tmp_path / "c.yaml")])
     assert "model.dense_layers: YAML 1.1 reads 010 as 8 (octal or base 60); write the number in decimal digits" in line
+
+
+# -- a command-line override is read as the same value in a config file is ----------------
+
+SAME_IN_BOTH = [  # (key, text, the field's value or the error)
+    ("model.dense_layers", "0", "model.dense_layers=0: expected a list like [0, 1] ([] for none)"),
+    ("model.dense_layers", "~", "model.dense_layers=None: expected a list like [0, 1] ([] for none)"),
+    ("model.dense_layers", "[]", []),
+    ("model.dense_layers", "[1, 3]", [1, 3]),
+    ("model.dense_layers", "[0, 010]", "model.dense_layers: YAML 1.1 reads 010 as 8 (octal or base 60)"),
+    ("model.head_dim", "~", None),
+    ("model.head_dim", "null", None),
+    ("model.head_dim", "64", 64),
+    ("model.head_dim", "0", "model.head_dim=0: expected a positive integer (or null for model.d_model // "),
+    ("train.steps", "010", "train.steps: YAML 1.1 reads 010 as 8 (octal or base 60); write the number in decimal"),
+    ("train.steps", "0x10", 16),
+    ("train.steps", "~", "train.steps=None: expected an integer"),
+    ("train.progress", "off", False),
+    ("train.progress", "1", True),
+    ("train.lr", ".inf", "train.lr=inf: expected a finite number"),
+]
+
+
+@pytest.mark.parametrize("key,text,expected", SAME_IN_BOTH)
+def test_an_override_and_the_same_value_in_a_config_file_give_one_result(key, text, expected, tmp_path, capsys):
+    section, field = key.split(".")
+    (tmp_path / "c.yaml").write_text(f"{section}:\n  {field}: {text}\n")
+    argvs = {"yaml": ["info", "--config", str(tmp_path / "c.yaml")], "override": ["info", f"--{key}={text}"]}
+    for how, argv in argvs.items():
+        if isinstance(expected, str):
+            line = error_line(capsys, argv)
+            assert line.startswith("moe-train: error: ") and expected in line, (how, line)
+        else:
+            assert resolved(capsys, argv)[section][field] == expected, how
+
+
+def test_a_null_head_dim_on_the_command_line_undoes_the_config_files_and_derives_it(tmp_path):
+    from moe_train.config_io import build_config, parse_overrides
+
+    (tmp_path / "c.yaml").write_text("model:\n  head_dim: 64\n")
+    cfg = build_config(None, str(tmp_path / "c.yaml"), parse_overrides(["--model.head_dim=~"]))
+    assert cfg.model.head_dim is None and cfg.model.resolved_head_dim == cfg.model.d_model // cfg.model.num_heads
+
+
+def test_an_override_that_is_not_yaml_names_the_override(capsys):
+    line = error_line(capsys, ["info", "--model.dense_layers=[0,"])
+    assert line.startswith("moe-train: error: override --model.dense_layers=[0,: invalid YAML at line 1"), line

@@ -1,5 +1,6 @@
 import copy
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,9 @@ import torch
 from moe_ckpt import find_latest, list_checkpoints
 
 from moe_train.trainer.loop import Trainer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_parallel_harness import free_port  # noqa: E402
 
 
 def read_metrics(run_dir):
@@ -160,3 +164,32 @@ def test_eval_loss_does_not_depend_on_the_micro_batch_size(tmp_path, data_dir, m
         assert sum(x.shape[0] for x, _ in trainer.eval_data) == 12
         losses.append(trainer.evaluate())
     assert max(losses) - min(losses) < 1e-5 * abs(losses[0]), losses
+
+
+@pytest.mark.parametrize("fails_at", ["data, before the model", "run_dir, after the model"])
+def test_a_trainer_that_fails_to_construct_destroys_the_process_group_it_made(
+        fails_at, tmp_path, data_dir, make_config, monkeypatch):
+    """A later config or data error must not leave the gloo group (and its threads) behind: the next
+    make_runtime in this process would join it instead of making its own."""
+    import torch.distributed as dist
+
+    from moe_train.data import DataError
+
+    cfg = make_config(tmp_path, steps=1, eval_interval=0, save_interval=0, device="cpu")
+    cfg.data.path = str(data_dir)
+    cfg.parallel.expert_capacity_factor = 4.0  # not the plain one-process setup: a DistributedRuntime, world of 1
+    if fails_at.startswith("data"):
+        cfg.data.path, error = str(tmp_path / "missing"), DataError
+    else:
+        (tmp_path / "a_file").write_text("")
+        cfg.train.run_dir, error = str(tmp_path / "a_file" / "run"), NotADirectoryError
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    assert not dist.is_initialized()
+    try:
+        with pytest.raises(error):
+            Trainer(cfg)
+        assert not dist.is_initialized(), f"Trainer failed at {fails_at} and left the process group initialised"
+    finally:
+        if dist.is_initialized():  # keep the other tests of this process clean when the check fails
+            dist.destroy_process_group()

@@ -16,12 +16,14 @@ arrival) keeps its weights, moments and step count. The same all-reduce carries 
 parameter, so every rank agrees; a parameter used on at least one rank is updated with the mean
 over ranks, zeros from the others (torch DDP with find_unused_parameters). An expert parameter
 counts as used when any rank's slice of it got a gradient, as the whole tensor would on one
-process. Step counts are per parameter, as torch's bias correction is.
+process. Step counts are per parameter, as torch's bias correction is; param_step_counts() /
+load_param_step_counts() carry them through a checkpoint by parameter name.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -84,9 +86,30 @@ class DistributedAdamW:
 
     @step_count.setter
     def step_count(self, value: int) -> None:
-        # A checkpoint holds this one count: every parameter resumes from it (as LocalRuntime's load does).
+        """Sets every parameter's count too (a checkpoint that holds only this one count)."""
         self._step_count = value
         self.param_steps = [[value] * len(f.slots) for f in self.flats]
+
+    def param_step_counts(self) -> dict[str, int]:
+        """{parameter name: its step count}: the same on every rank (an expert parameter counts as a whole),
+        and keyed by name, so it can be saved once and restored on any parallel layout."""
+        return {slot.name: n for flat, steps in zip(self.flats, self.param_steps) for slot, n in zip(flat.slots, steps)}
+
+    def load_param_step_counts(self, counts: Mapping[str, int]) -> None:
+        """Restore per-parameter step counts from param_step_counts() output (of any layout); every parameter
+        of this optimizer must be named, and nothing else. step_count (steps taken) is left as it is."""
+        names = [slot.name for flat in self.flats for slot in flat.slots]
+        missing = [n for n in names if n not in counts]
+        unknown = sorted(set(counts) - set(names))
+        if missing or unknown:
+            wrong = [f"no count for {missing}"] if missing else []
+            wrong += [f"counts for {unknown}, which it does not hold"] if unknown else []
+            raise ValueError(f"step counts: {'; '.join(wrong)}; expected one count for each of this optimizer's "
+                             f"{len(names)} parameters")
+        bad = {n: v for n, v in counts.items() if isinstance(v, bool) or not isinstance(v, int) or v < 0}
+        if bad:
+            raise ValueError(f"step counts {bad}: expected integers >= 0")
+        self.param_steps = [[counts[slot.name] for slot in flat.slots] for flat in self.flats]
 
     @staticmethod
     def _init_shard(flat: FlatParams, bucket: Bucket) -> _ShardState:

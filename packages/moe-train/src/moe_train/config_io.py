@@ -19,30 +19,34 @@ def _field_types(obj: Any) -> dict[str, Any]:
     return typing.get_type_hints(type(obj))
 
 
-# the words YAML 1.1 reads as booleans, so a command-line override takes what a config file does
+# the words YAML 1.1 reads as booleans (any case), and 1 / 0
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
+NULL_WORDS = ("~", "null", "none")  # YAML's null, and Python's spelling of it
+
+
+def _is_null(raw: Any) -> bool:
+    return raw is None or (isinstance(raw, str) and raw.lower() in NULL_WORDS)
 
 
 def _coerce(name: str, raw: Any, annotation: Any) -> Any:
-    """Convert a YAML value or an override string to the field's declared type."""
+    """Convert a value as YAML reads it (from a config file, or an override via read_override) to the
+    field's declared type."""
     inner = optional_inner(annotation)
     if inner is not None:
-        if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null")):
+        if _is_null(raw):
             return None
         annotation = inner
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is list:
-        if isinstance(raw, str):
-            raw = yaml.safe_load(raw) if raw.strip() else []
-            if isinstance(raw, int):
-                raw = [raw]
-        if not isinstance(raw, list):
-            raise ConfigError(f"{name}={raw!r}: expected a list like [0, 1]")
+        if not isinstance(raw, list):  # a bare 0 could mean layer 0 or no layers: neither is guessed
+            raise ConfigError(f"{name}={raw!r}: expected a list like [0, 1] ([] for none)")
         return [_coerce(f"{name}[]", v, args[0]) for v in raw]
     if annotation is bool:
         if isinstance(raw, bool):
             return raw
+        if isinstance(raw, int) and raw in (0, 1):
+            return bool(raw)
         if isinstance(raw, str) and raw.lower() in TRUE_WORDS + FALSE_WORDS:
             return raw.lower() in TRUE_WORDS
         raise ConfigError(f"{name}={raw!r}: expected true or false")
@@ -56,7 +60,7 @@ def _coerce(name: str, raw: Any, annotation: Any) -> Any:
         except (TypeError, ValueError, OverflowError):  # OverflowError: an int past float's range
             raise ConfigError(f"{name}={raw!r}: expected a number") from None
     if annotation is str:
-        if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null")):
+        if _is_null(raw):
             raise ConfigError(f"{name}={raw!r}: expected a string; this field cannot be null")
         if not isinstance(raw, str):  # load_yaml already refused unquoted YAML numbers, naming what was typed
             raise ConfigError(f"{name}={raw!r}: expected a string")
@@ -143,64 +147,102 @@ def _refuse_yaml_1_1_number(loader: yaml.SafeLoader, node: yaml.ScalarNode, dott
                       "write the number in decimal digits")
 
 
-def _refuse_silent_rewrites(loader: yaml.SafeLoader, node: yaml.Node, prefix: str, file: str, seen: set[int]) -> None:
-    """What yaml.safe_load accepts without a word but a config must not: a key twice in one mapping (the
-    last would win), and an unquoted scalar YAML 1.1 reads as a number, boolean or date where the field
-    is a string (`run_dir: 0710` is the octal 456, `12:30` the sexagesimal 750, `1.50` is 1.5)."""
-    if id(node) in seen:  # an alias: checked where its anchor is
+def _refuse_silent_rewrites(loader: yaml.SafeLoader, node: yaml.Node, dotted: str, where: str, seen: set[int]) -> None:
+    """What yaml.safe_load accepts without a word but a config must not, in the value `node` of config key
+    `dotted` ("" for a whole file; where: the file or override named in errors): a key twice in one mapping
+    (the last would win), and an unquoted scalar YAML 1.1 reads as a number, boolean or date where the field
+    is a string (`run_dir: 0710` is the octal 456, `12:30` the sexagesimal 750, `1.50` is 1.5), or as an
+    octal or base-60 number where it is a number."""
+    if isinstance(node, yaml.ScalarNode):
+        if dotted:  # checked at each key it stands for (an alias may stand for fields of two types)
+            _refuse_silent_scalar(loader, node, dotted)
+        return
+    if id(node) in seen:  # an alias of a list or mapping: checked where its anchor is
         return
     seen.add(id(node))
     if isinstance(node, yaml.SequenceNode):
         for item in node.value:
-            if isinstance(item, yaml.ScalarNode) and item.tag in _YAML_NUMBER_TAGS and _YAML_1_1_NUMBER.fullmatch(item.value):
-                _refuse_yaml_1_1_number(loader, item, prefix.rstrip("."))
-            _refuse_silent_rewrites(loader, item, f"{prefix}[].", file, seen)
+            if isinstance(item, yaml.ScalarNode):
+                if item.tag in _YAML_NUMBER_TAGS and _YAML_1_1_NUMBER.fullmatch(item.value):
+                    _refuse_yaml_1_1_number(loader, item, dotted)
+            else:
+                _refuse_silent_rewrites(loader, item, f"{dotted}[]", where, seen)
+        return
     if not isinstance(node, yaml.MappingNode):
         return
+    prefix = f"{dotted}." if dotted else ""
     lines: dict[str, int] = {}
     for key_node, value_node in node.value:
         if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden by the keys beside it
-            _refuse_silent_rewrites(loader, value_node, prefix, file, seen)
+            _refuse_silent_rewrites(loader, value_node, dotted, where, seen)
             continue
         key, line = str(key_node.value), key_node.start_mark.line + 1
-        dotted = f"{prefix}{key}"
         if isinstance(key_node, yaml.ScalarNode):
             if key in lines:
-                raise ConfigError(f"config file {file!r}: duplicate key {dotted!r} at line {line} (first at line "
+                raise ConfigError(f"{where}: duplicate key {prefix + key!r} at line {line} (first at line "
                                   f"{lines[key]}): YAML would keep only the last; delete one")
             lines[key] = line
-        annotation = _field_annotation(dotted)
-        read_as = _YAML_READ_AS.get(value_node.tag) if isinstance(value_node, yaml.ScalarNode) else None
-        if read_as and _YAML_1_1_NUMBER.fullmatch(value_node.value) and str not in (annotation, optional_inner(annotation)):
-            _refuse_yaml_1_1_number(loader, value_node, dotted)
-        if read_as and str in (annotation, optional_inner(annotation)):
-            value = loader.construct_object(value_node)
-            shown = str(value).lower() if isinstance(value, bool) else value
-            raise ConfigError(f"{dotted}: YAML read {value_node.value} as {read_as} {shown}; "
-                              f'quote it: {key}: "{value_node.value}"')
-        _refuse_silent_rewrites(loader, value_node, f"{dotted}.", file, seen)
+        _refuse_silent_rewrites(loader, value_node, f"{prefix}{key}", where, seen)
+
+
+def _refuse_silent_scalar(loader: yaml.SafeLoader, node: yaml.ScalarNode, dotted: str) -> None:
+    annotation = _field_annotation(dotted)
+    is_string = str in (annotation, optional_inner(annotation))
+    read_as = _YAML_READ_AS.get(node.tag)
+    if read_as and _YAML_1_1_NUMBER.fullmatch(node.value) and not is_string:
+        _refuse_yaml_1_1_number(loader, node, dotted)
+    if read_as and is_string:
+        value = loader.construct_object(node)
+        shown = str(value).lower() if isinstance(value, bool) else value
+        key = dotted.rsplit(".", 1)[-1]
+        raise ConfigError(f'{dotted}: YAML read {node.value} as {read_as} {shown}; quote it: {key}: "{node.value}"')
+
+
+def _read_yaml(text: str, dotted: str, where: str) -> Any:
+    """The value YAML reads from `text` (None for an empty one), after _refuse_silent_rewrites."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_silent_rewrites(loader, node, dotted, where, set())
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _yaml_error(where: str, e: yaml.YAMLError) -> ConfigError:
+    mark = getattr(e, "problem_mark", None)
+    at = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
+    why = getattr(e, "problem", None) or " ".join(str(e).split())
+    return ConfigError(f"{where}: invalid YAML at {at}: {why}")
+
+
+def read_override(dotted: str, text: str) -> Any:
+    """The value of `--dotted=text`: what a config file holding `dotted: text` gives, with the same checks
+    (`~` is null, 0710 is refused, [0] is a list), except that a string field takes the text as typed (the
+    shell has quoted it already: --train.run_dir=0710 is the folder "0710")."""
+    annotation = _field_annotation(dotted)
+    if annotation is None or str in (annotation, optional_inner(annotation)):
+        return text  # a string as typed; a key that is no field is named by set_field
+    where = f"override --{dotted}={text}"
+    try:
+        return _read_yaml(text, dotted, where)
+    except yaml.YAMLError as e:
+        raise _yaml_error(where, e) from None
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
+    where = f"config file {str(p)!r}"
     try:
-        loader = yaml.SafeLoader(p.read_text(encoding="utf-8"))
-        try:
-            node = loader.get_single_node()
-            if node is not None:
-                _refuse_silent_rewrites(loader, node, "", str(p), set())
-            data = (loader.construct_document(node) if node is not None else None) or {}
-        finally:
-            loader.dispose()
+        data = _read_yaml(p.read_text(encoding="utf-8"), "", where) or {}
     except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {str(p)!r}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise ConfigError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
-        why = getattr(e, "problem", None) or " ".join(str(e).split())
-        raise ConfigError(f"config file {str(p)!r}: invalid YAML at {where}: {why}") from None
+        raise _yaml_error(where, e) from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(p)!r}: expected a mapping at the top level")
     return data
@@ -226,13 +268,16 @@ def parse_overrides(args: list[str]) -> dict[str, str]:
 
 
 def build_config(preset: str | None = None, yaml_path: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """preset (or the YAML's `preset:` key, else tiny) <- YAML <- overrides, then validate."""
+    """preset (or the YAML's `preset:` key, else tiny) <- YAML <- overrides, then validate.
+
+    overrides: {dotted key: value}; a string value is read as the command line's text (read_override),
+    so `--model.head_dim=~` and `model: {head_dim: ~}` give the same config, and the same errors."""
     mapping = load_yaml(yaml_path) if yaml_path else {}
     name = preset or mapping.get("preset") or "tiny"
     cfg = get_preset(str(name))
     apply_mapping(cfg, mapping)
     for key, value in (overrides or {}).items():
-        set_field(cfg, key, value)
+        set_field(cfg, key, read_override(key, value) if isinstance(value, str) else value)
     return validate(cfg)
 
 

@@ -163,7 +163,8 @@ class DistributedRuntime:
 
         Weights: per-dim slices (experts: rows [ep_rank*E_local, +E_local) of [E, ...]), written by
         the first replica. Optimizer: f"optim.{name}.master" / ".exp_avg" / ".exp_avg_sq" as flat
-        ranges of the flattened global tensor (one rank owns each element), plus "optim.step".
+        ranges of the flattened global tensor (one rank owns each element); f"optim.{name}.step" and
+        "optim.step" (the same on every rank), written by rank 0.
         """
         if self.optimizer is None:
             raise NotImplementedError("checkpoint_shards needs strategy='ddp' (FSDP2 is a baseline only)")
@@ -191,21 +192,26 @@ class DistributedRuntime:
                     for key, tensor in (("master", st.master), ("exp_avg", st.exp_avg), ("exp_avg_sq", st.exp_avg_sq)):
                         out.append(CheckpointShard(f"optim.{slot.name}.{key}", gshape, rng, tensor[a - lo : b - lo],
                                                    flat.owns_unique_shard))
+        for name, n in self.optimizer.param_step_counts().items():
+            out.append(CheckpointShard(f"optim.{name}.step", (), (), torch.tensor(float(n)), self.rank == 0))
         step = torch.tensor(float(self.optimizer.step_count))
         out.append(CheckpointShard("optim.step", (), (), step, self.rank == 0))
         return out
 
+    @torch.no_grad()
     def load_checkpoint_shards(self, read_fn: Callable[[str, Slice], torch.Tensor]) -> None:
         """Fill weights and optimizer state from read_fn(global_name, slice) -> tensor of that slice."""
+        steps = {f"optim.{name}.step": name for name in self.optimizer.param_step_counts()}
+        counts: dict[str, int] = {}
         for s in self.checkpoint_shards():
-            self._assign(s, read_fn(s.global_name, s.slice))
-
-    @torch.no_grad()
-    def _assign(self, s: CheckpointShard, value: torch.Tensor) -> None:
-        if s.global_name == "optim.step":
-            self.optimizer.step_count = int(value.reshape(()).item())
-        else:
-            s.tensor.copy_(value.reshape(s.tensor.shape))
+            value = read_fn(s.global_name, s.slice)
+            if s.global_name == "optim.step":
+                self.optimizer.step_count = int(value.reshape(()).item())
+            elif s.global_name in steps:
+                counts[steps[s.global_name]] = int(value.reshape(()).item())
+            else:
+                s.tensor.copy_(value.reshape(s.tensor.shape))
+        self.optimizer.load_param_step_counts(counts)  # after step_count, whose setter sets them all
 
     def close(self) -> None:
         if self.sync is not None:

@@ -46,10 +46,16 @@ def make_runtime(cfg: Config, device: torch.device) -> Runtime:
         torch.cuda.set_device(device)
     backend = p.backend if p.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     timeout = timedelta(seconds=p.collective_timeout_s)
-    if not dist.is_initialized():
+    initialised_here = not dist.is_initialized()
+    if initialised_here:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # a world of 1 launched without torchrun
         os.environ.setdefault("MASTER_PORT", "29500")
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
-    groups = build_groups(layout, cfg.model.num_experts, timeout=timeout)
-    param_dtype = torch.bfloat16 if p.param_dtype == "bf16" else None
-    return DistributedRuntime(cfg, device, groups, param_dtype=param_dtype)
+    try:
+        groups = build_groups(layout, cfg.model.num_experts, timeout=timeout)
+        param_dtype = torch.bfloat16 if p.param_dtype == "bf16" else None
+        return DistributedRuntime(cfg, device, groups, param_dtype=param_dtype)
+    except BaseException:
+        if initialised_here:  # the runtime that would close it does not exist
+            dist.destroy_process_group()
+        raise

@@ -36,40 +36,55 @@ def pick_device(name: str) -> torch.device:
 
 class Trainer:
     def __init__(self, cfg: Config, runtime: Runtime | None = None):
+        """runtime: the one to train with (default: make_runtime from cfg); the Trainer closes it when
+        train() ends, or here when construction fails after it exists (process groups, hooks)."""
         self.cfg = validate(cfg)
         t = cfg.train
         if t.threads > 0:
             torch.set_num_threads(t.threads)
         self.runtime = runtime or make_runtime(cfg, pick_device(t.device))
-        rt = self.runtime
-        self.device = rt.device
-        self.is_main = rt.rank == 0
-        data_dir = resolve_data_dir(cfg.data, self.is_main)
-        rt.barrier()
-        self.meta, splits = open_data(data_dir, cfg.model.vocab_size)
-        self.sampler = WindowSampler(splits["train"].tokens, cfg.data.seq_len, cfg.data.seed)
-        self.eval_data = eval_windows(splits["eval"].tokens, cfg.data.seq_len, t.eval_windows, t.micro_batch_size)
-        self.eval_split_windows = (splits["eval"].tokens.size - 1) // cfg.data.seq_len  # eval_windows' upper bound
-        if t.eval_interval > 0 and not self.eval_data:
-            raise DataError(f"{data_dir}: the eval split has {splits['eval'].tokens.size} tokens, fewer than one window "
-                            f"of data.seq_len+1={cfg.data.seq_len + 1}; prepare more data, shorten data.seq_len, "
-                            "or set train.eval_interval=0")
-        if self.device.type == "cpu" and t.seed >= 2**32 and self.is_main:
-            warnings.warn(f"train.seed={t.seed}: torch's CPU generator keeps the low 32 bits of a seed, so on the "
-                          f"CPU this run initialises as train.seed={t.seed % 2**32} does", stacklevel=2)
-        torch.manual_seed(t.seed)
-        self.model = rt.setup(Transformer(cfg.model, device="meta"))  # each rank allocates only its slice
-        self.run_dir = Path(t.run_dir)
-        self.log = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.is_main)
-        self.step = 0
-        self.skipped_steps = 0
-        self.consecutive_skips = 0
-        self.autocast = self.device.type == "cuda" and t.autocast_bf16
-        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
-        self.peak = peak_tflops(self.device)
-        self.async_saver = AsyncCheckpointer() if t.async_save else None
-        # the background writer's barrier must not interleave with training collectives
-        self.save_barrier = rt.background_barrier() if t.async_save else None
+        try:
+            rt = self.runtime
+            self.device = rt.device
+            self.is_main = rt.rank == 0
+            data_dir = resolve_data_dir(cfg.data, self.is_main)
+            rt.barrier()
+            self.meta, splits = open_data(data_dir, cfg.model.vocab_size)
+            self.sampler = WindowSampler(splits["train"].tokens, cfg.data.seq_len, cfg.data.seed)
+            self.eval_data = eval_windows(splits["eval"].tokens, cfg.data.seq_len, t.eval_windows,
+                                          t.micro_batch_size)
+            # eval_windows' upper bound
+            self.eval_split_windows = (splits["eval"].tokens.size - 1) // cfg.data.seq_len
+            if t.eval_interval > 0 and not self.eval_data:
+                raise DataError(f"{data_dir}: the eval split has {splits['eval'].tokens.size} tokens, fewer than "
+                                f"one window of data.seq_len+1={cfg.data.seq_len + 1}; prepare more data, shorten "
+                                "data.seq_len, or set train.eval_interval=0")
+            if self.device.type == "cpu" and t.seed >= 2**32 and self.is_main:
+                warnings.warn(f"train.seed={t.seed}: torch's CPU generator keeps the low 32 bits of a seed, so on "
+                              f"the CPU this run initialises as train.seed={t.seed % 2**32} does", stacklevel=2)
+            torch.manual_seed(t.seed)
+            self.model = rt.setup(Transformer(cfg.model, device="meta"))  # each rank allocates only its slice
+            self.run_dir = Path(t.run_dir)
+            self.log = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.is_main)
+            self.step = 0
+            self.skipped_steps = 0
+            self.consecutive_skips = 0
+            self.autocast = self.device.type == "cuda" and t.autocast_bf16
+            self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+            self.peak = peak_tflops(self.device)
+            self.async_saver = AsyncCheckpointer() if t.async_save else None
+            # the background writer's barrier must not interleave with training collectives
+            self.save_barrier = rt.background_barrier() if t.async_save else None
+        except BaseException as e:
+            self._close_runtime(e)
+            raise
+
+    def _close_runtime(self, e: BaseException) -> None:
+        """Close the runtime after `e` (the error to report): a failure to close becomes a note on e."""
+        try:
+            self.runtime.close()
+        except Exception as err:  # noqa: BLE001 - e is the error to report
+            e.add_note(f"closing the runtime failed too: {type(err).__name__}: {err}")
 
     # -- pieces -----------------------------------------------------------------------------
     def _amp(self):
@@ -176,10 +191,7 @@ class Trainer:
         try:
             summary = self._train()
         except BaseException as e:
-            try:
-                self.runtime.close()
-            except Exception as err:  # noqa: BLE001 - e is the error to report
-                e.add_note(f"closing the runtime failed too: {type(err).__name__}: {err}")
+            self._close_runtime(e)
             raise
         self.runtime.close()
         return summary

@@ -39,7 +39,9 @@ class CheckpointShard(NamedTuple):
     """One tensor (or part of one) this rank holds; is_writer: the one rank that writes it.
 
     Names: model parameters by their full-model name (global shapes, e.g. experts [E, ...]);
-    optimizer state as optim.{param}.master / .exp_avg / .exp_avg_sq, and optim.step.
+    optimizer state as optim.{param}.master / .exp_avg / .exp_avg_sq, the parameter's AdamW step
+    count as optim.{param}.step (0-dim: a parameter left without a gradient on a step keeps its
+    count), and optim.step, the steps taken (checkpoints of moe-train <= 0.5 hold only this one).
     same_as: the name of another of this rank's shards holding the very same values (an fp32
     master that is the parameter itself): saved once, under that name, and read back from it.
     """
@@ -160,28 +162,31 @@ class LocalRuntime:
         """Everything is whole on one process; the master weight is the parameter itself (saved once)."""
         assert self.model is not None
         out: list[CheckpointShard] = []
-        step = torch.zeros(())
+        steps = []
         for name, p in self.model.named_parameters():
             whole = tuple((0, n) for n in p.shape)
             st = self._adam_state(p)
-            step = st["step"]
+            step = st["step"].detach().reshape(()).float().cpu()
+            steps.append(step)
             out.append(CheckpointShard(name, tuple(p.shape), whole, p.data, True))
             out.append(CheckpointShard(f"optim.{name}.master", tuple(p.shape), whole, p.data, True, same_as=name))
             out.append(CheckpointShard(f"optim.{name}.exp_avg", tuple(p.shape), whole, st["exp_avg"], True))
             out.append(CheckpointShard(f"optim.{name}.exp_avg_sq", tuple(p.shape), whole, st["exp_avg_sq"], True))
-        out.append(CheckpointShard("optim.step", (), (), step.reshape(()).float(), True))
+            out.append(CheckpointShard(f"optim.{name}.step", (), (), step, True))
+        # steps taken: a parameter that got a gradient on every step has them all
+        out.append(CheckpointShard("optim.step", (), (), torch.stack(steps).max() if steps else torch.zeros(()), True))
         return out
 
     @torch.no_grad()
     def load_checkpoint_shards(self, read_fn: Callable[[str, Slice], torch.Tensor]) -> None:
         assert self.model is not None
-        step = read_fn("optim.step", ()).reshape(()).float()
         for name, p in self.model.named_parameters():
             whole = tuple((0, n) for n in p.shape)
             p.copy_(read_fn(f"optim.{name}.master", whole).reshape(p.shape))
             st = self._adam_state(p)
             st["exp_avg"].copy_(read_fn(f"optim.{name}.exp_avg", whole).reshape(p.shape))
             st["exp_avg_sq"].copy_(read_fn(f"optim.{name}.exp_avg_sq", whole).reshape(p.shape))
+            step = read_fn(f"optim.{name}.step", ()).reshape(()).float()
             st["step"] = step.to(self._step_device(p)).clone()
 
     def close(self) -> None:
