@@ -122,3 +122,30 @@ def test_a_damaged_shard_fails_the_resume_on_every_rank_at_once(two_ranks):
     assert mine["error"] == "ChecksumMismatchError" and "shard-00001-of-00002" in mine["message"], mine
     assert peer["error"] == "PeerCheckpointError" and "failed on rank 1 of 2" in peer["message"], peer
     assert peer["seconds"] < 5, peer  # parallel.collective_timeout_s=5 would be the other way to find out
+
+
+@pytest.mark.parametrize("name_part,value", [(".mlp.experts.w_gate_up", float("nan")), ("exp_avg_sq", float("inf"))])
+def test_a_checkpoint_holding_nan_or_inf_is_refused_and_no_checkpoint_is_deleted(tmp_path, data_dir, make_config,
+                                                                                 name_part, value):
+    """A non-finite master weight or moment is never a resume point: the resume fails naming the tensor, before
+    training a step, and retention (keep_last) does not get to delete the older, good checkpoint."""
+    from moe_ckpt import NonFiniteTensorError, ShardSpec, load_checkpoint, load_metadata, save_checkpoint
+
+    cfg = make_config(tmp_path, steps=4, eval_interval=0, save_interval=2)
+    cfg.data.path = str(data_dir)
+    cfg.train.keep_last = 2
+    Trainer(cfg).train()
+    root = tmp_path / "run" / "checkpoints"
+    last = step_dir(root, 4)
+    data = load_checkpoint(last)
+    bad = next(n for n in data if name_part in n and data[n].is_floating_point())
+    data[bad].view(-1)[3] = value
+    meta = load_metadata(last)
+    shutil.rmtree(last)
+    save_checkpoint(last, [ShardSpec(n, tuple(t.shape), t) for n, t in data.items()], meta)
+    before = sorted(p.name for p in root.iterdir())
+    cfg.train.steps = 6
+    with pytest.raises(NonFiniteTensorError, match=bad.replace(".", r"\.")):
+        Trainer(cfg).train()
+    assert sorted(p.name for p in root.iterdir()) == before
+    assert not [r for r in read_metrics(tmp_path / "run") if isinstance(r.get("step"), int) and r["step"] > 4]

@@ -145,12 +145,19 @@ def latest(run_dir: str | Path) -> Path | None:
     return find_latest(root) if root.is_dir() else None
 
 
-def _stored_name(name: str, saved: dict[str, dict]) -> str:
-    """The saved tensor holding `name`: itself, or for a master saved once as its fp32 weight, the weight."""
+def _is_param_step(name: str) -> bool:
+    return name.startswith("optim.") and name.endswith(".step") and name != "optim.step"
+
+
+def _stored_name(name: str, saved: dict[str, dict], one_step_count: bool) -> str:
+    """The saved tensor holding `name`: itself; for a master saved once as its fp32 weight, the weight; for a
+    parameter's step count in a checkpoint with one count for all (one_step_count: moe-train <= 0.5), optim.step."""
     if name not in saved and name.startswith("optim.") and name.endswith(".master"):
         weight = name[len("optim."):-len(".master")]
         if saved.get(weight, {}).get("dtype") == "float32":
             return weight
+    if one_step_count and _is_param_step(name):
+        return "optim.step"
     return name  # a name the checkpoint lacks is reported by load_checkpoint
 
 
@@ -158,7 +165,9 @@ def _read(path: Path, shards: list[CheckpointShard], device: torch.device) -> di
     """{shard name: its slice}. load_checkpoint takes each saved name once per call, and a saved weight
     may be wanted at two regions (as itself and as a master), hence one call per such repeat."""
     saved = inspect_checkpoint(path)["tensors"]
-    wanted = {s.global_name: (_stored_name(s.global_name, saved), s.global_shape, _region(s.slice)) for s in shards}
+    one_step_count = "optim.step" in saved and not any(map(_is_param_step, saved))
+    wanted = {s.global_name: (_stored_name(s.global_name, saved, one_step_count), s.global_shape, _region(s.slice))
+              for s in shards}
     passes: list[dict[str, tuple]] = []
     for key in dict.fromkeys(wanted.values()):
         todo = next((p for p in passes if key[0] not in p), None)
@@ -168,7 +177,10 @@ def _read(path: Path, shards: list[CheckpointShard], device: torch.device) -> di
     got: dict[tuple, torch.Tensor] = {}
     for todo in passes:
         # dtype unchecked: resident weights may be bf16 on one layout and fp32 on another; copy_ casts.
-        data = load_checkpoint(path, [LoadRequest(*key[:2], None, key[2]) for key in todo.values()], device=device)
+        # NaN/Inf anywhere is refused before any state is touched: no training state holds them (a step
+        # with a non-finite loss is skipped), and resuming from one would let retention delete good ones.
+        data = load_checkpoint(path, [LoadRequest(*key[:2], None, key[2]) for key in todo.values()], device=device,
+                               require_finite=True)
         got.update((key, data[name]) for name, key in todo.items())
     return {name: got[key] for name, key in wanted.items()}
 
