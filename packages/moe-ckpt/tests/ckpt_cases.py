@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
+import struct
 import threading
 
 import torch
 
 from moe_ckpt import Box, FlatRange, LoadRequest, ShardSpec, even_split
+from moe_ckpt.shard_file import file_checksum
 
 # name -> (global shape, dtype); covers EP stacks, replicated, ZeRO flat, bf16, scalar, empty
 SPECS: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
@@ -108,3 +111,22 @@ def run_ranks(world: int, fn) -> list:
     if real or errors:
         raise (real or errors)[0]
     return results
+
+
+def reseal(ck) -> None:
+    """Make index.json's sizes and checksums match the files again, as a tool that rewrote them would."""
+    idx = json.loads((ck / "index.json").read_text())
+    for fname, rec in idx["files"].items():
+        got = file_checksum(ck / fname, idx["checksum_algorithm"])
+        rec["bytes"], rec["checksum"] = got.nbytes, got.checksum
+    (ck / "index.json").write_text(json.dumps(idx))
+
+
+def edit_header(path, key: str, **fields) -> None:
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + n])
+    header[key].update(fields)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    path.write_bytes(struct.pack("<Q", len(head)) + head + raw[8 + n :])

@@ -6,11 +6,10 @@ safetensors' own error."""
 from __future__ import annotations
 
 import json
-import struct
 
 import pytest
 import torch
-from ckpt_cases import bits_equal, make_state, run_ranks, shards_for
+from ckpt_cases import bits_equal, edit_header, make_state, reseal, run_ranks, shards_for
 
 from moe_ckpt import (
     Box,
@@ -25,7 +24,6 @@ from moe_ckpt import (
     load_metadata,
     save_checkpoint,
 )
-from moe_ckpt.shard_file import file_checksum
 
 SHARD0 = "shard-00000-of-00002.safetensors"
 
@@ -35,25 +33,6 @@ def ck2(tmp_path):
     state = make_state()
     run_ranks(2, lambda r, bar: save_checkpoint(tmp_path / "ck", shards_for(state, r, 2), {"step": 3}, r, 2, bar))
     return tmp_path / "ck"
-
-
-def _reseal(ck) -> None:
-    """Make index.json's sizes and checksums match the files again, as a tool that rewrote them would."""
-    idx = json.loads((ck / "index.json").read_text())
-    for fname, rec in idx["files"].items():
-        got = file_checksum(ck / fname, idx["checksum_algorithm"])
-        rec["bytes"], rec["checksum"] = got.nbytes, got.checksum
-    (ck / "index.json").write_text(json.dumps(idx))
-
-
-def _edit_header(path, key: str, **fields) -> None:
-    raw = path.read_bytes()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8 : 8 + n])
-    header[key].update(fields)
-    head = json.dumps(header).encode()
-    head += b" " * (-len(head) % 8)
-    path.write_bytes(struct.pack("<Q", len(head)) + head + raw[8 + n :])
 
 
 def _edit_index(ck, fn) -> None:
@@ -68,8 +47,8 @@ def _edit_index(ck, fn) -> None:
 def test_a_shard_header_that_disagrees_with_the_index_is_refused(ck2, fields, stored):
     """Before: a dtype lie loaded int32 bits as the float32 tensor without a word, a shape lie was a
     RuntimeError / IndexError from deep inside the reader."""
-    _edit_header(ck2 / SHARD0, "attn.w[0:7,0:5]", **fields)
-    _reseal(ck2)
+    edit_header(ck2 / SHARD0, "attn.w[0:7,0:5]", **fields)
+    reseal(ck2)
     with pytest.raises(CorruptShardError, match=rf"{SHARD0}: 'attn.w\[0:7,0:5\]' is stored as {stored}; "
                                                 rf"index.json says F32 \[7, 5\]"):
         load_checkpoint(ck2, [LoadRequest("attn.w")])
@@ -77,11 +56,11 @@ def test_a_shard_header_that_disagrees_with_the_index_is_refused(ck2, fields, st
 
 def test_an_unreadable_or_foreign_shard_is_refused_naming_the_file(ck2):
     (ck2 / SHARD0).write_bytes(b"")
-    _reseal(ck2)
+    reseal(ck2)
     with pytest.raises(CorruptShardError, match=rf"{SHARD0} is not a readable safetensors file"):
         load_checkpoint(ck2, verify=False)
     (ck2 / SHARD0).write_bytes((ck2 / "shard-00001-of-00002.safetensors").read_bytes())  # another rank's file
-    _reseal(ck2)
+    reseal(ck2)
     with pytest.raises(CorruptShardError, match=rf"{SHARD0} has no tensor 'attn.w\[0:7,0:5\]', which index.json "
                                                 "lists as a piece of 'attn.w'"):
         load_checkpoint(ck2)

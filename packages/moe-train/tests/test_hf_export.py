@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -226,3 +227,78 @@ def test_a_missing_tokenizer_is_refused_before_any_tensor_is_read(tmp_path):
         export_hf_folder(dataclasses.asdict(model.cfg), source, tmp_path / "hf",
                          tokenizer_json=tmp_path / "nowhere.json")
     assert read == [] and list(tmp_path.iterdir()) == []
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    import subprocess
+    import sys
+
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)
+
+
+def _folder(path, content: str = "x"):
+    path.mkdir()
+    (path / "model.safetensors").write_text(content)
+    return path
+
+
+def test_leftovers_of_killed_exports_to_the_same_folder_are_removed_and_nothing_else(tmp_path):
+    """A killed export leaves `.hf.tmp-PID-XXXXXXXX` (a partial folder) and, killed after moving the previous
+    export aside, `.hf.old-PID-XXXXXXXX`; moe-ckpt <= 0.4.1 named them without the pid. The next export to
+    `hf` removes those of exited processes; a running process's folders, other exports' names, near-misses,
+    files and symlinks stay."""
+    model = make_model()
+    out, dead, alive = tmp_path / "hf", _dead_pid(), os.getppid()
+    export(model, out)
+    target = _folder(tmp_path / "target")
+    removed = [_folder(tmp_path / n) for n in (f".hf.tmp-{dead}-0123abcd", f".hf.old-{dead}-89abcdef",
+                                                ".hf.tmp-deadbeef", ".hf.old-00c0ffee")]
+    kept = [_folder(tmp_path / n) for n in (f".hf.tmp-{alive}-0123abcd", f".hf.old-{os.getpid()}-0123abcd",
+                                             f".hf2.tmp-{dead}-0123abcd", f"hf.tmp-{dead}-0123abcd",
+                                             f".hf.tmp-{dead}-0123abcd.bak", ".hf.tmp-0123ABCD", ".hf.tmp-0-0123abcd",
+                                             f".hf.tmp-{dead}-0123abc", ".hf.old-xyz", ".hf.tmp-deadbeef-")]
+    (tmp_path / f".hf.old-{dead}-11111111").write_text("a file, not a folder of ours")
+    (tmp_path / f".hf.tmp-{dead}-22222222").symlink_to(target, target_is_directory=True)
+    export(make_model(seed=1), out)
+    assert not any(p.exists() for p in removed)
+    assert all((p / "model.safetensors").read_text() == "x" for p in [*kept, target])
+    assert (tmp_path / f".hf.old-{dead}-11111111").is_file()
+    assert (tmp_path / f".hf.tmp-{dead}-22222222").is_symlink()
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+
+
+def test_a_previous_export_moved_aside_by_a_killed_export_is_restored_with_a_warning(tmp_path):
+    """Killed between its two renames, an export leaves no `hf` and the previous export in `.hf.old-PID-X`.
+    The next export renames it back (warning that it did), so that if this export fails too the previous one
+    is in place, and if it succeeds it replaces it as usual; older moved-aside copies and the partial folder go."""
+    model = make_model()
+    out, dead = tmp_path / "hf", _dead_pid()
+    export(model, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    os.rename(out, tmp_path / f".hf.old-{dead}-0123abcd")
+    older = _folder(tmp_path / ".hf.old-00c0ffee")
+    os.utime(older, (1, 1))
+    _folder(tmp_path / f".hf.tmp-{dead}-89abcdef")
+    partial = dict(model.state_dict())
+    partial.pop(sorted(k for k in partial if "experts" in k)[-1])
+    with pytest.warns(UserWarning, match=rf"out_dir was missing and \.hf\.old-{dead}-0123abcd beside it held the "
+                                         r"previous export, .* restored it to hf"):
+        with pytest.raises(HFConversionError, match="tensor source has no tensor"):
+            export_hf_folder(dataclasses.asdict(model.cfg), partial, out, dtype="fp32")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]
+    export(make_model(seed=1), out)
+    assert (out / "model.safetensors").read_bytes() != before["model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]
+
+
+def test_a_moved_aside_export_of_a_running_process_is_left_alone(tmp_path):
+    """Its export is between its two renames right now: its folder is neither restored nor removed."""
+    model = make_model()
+    aside = _folder(tmp_path / f".hf.old-{os.getppid()}-0123abcd")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "restored" warning
+        export(model, tmp_path / "hf")
+    assert (aside / "model.safetensors").read_text() == "x"

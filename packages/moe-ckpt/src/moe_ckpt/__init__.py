@@ -23,7 +23,7 @@ from moe_ckpt.errors import (
     UncoveredRegionError,
 )
 from moe_ckpt.geometry import Box, FlatRange, Region, even_split, split_flat_buffer
-from moe_ckpt.load import load_checkpoint, load_metadata, verify_checkpoint
+from moe_ckpt.load import OpenCheckpoint, load_checkpoint, load_metadata, open_checkpoint, verify_checkpoint
 from moe_ckpt.rng import capture_rng_state, restore_rng_state
 from moe_ckpt.run_dir import apply_retention, find_latest, list_checkpoints, step_dir, step_of
 from moe_ckpt.save import save_checkpoint
@@ -44,6 +44,7 @@ __all__ = [
     "LoadRequest",
     "MissingShardFileError",
     "NonFiniteTensorError",
+    "OpenCheckpoint",
     "PeerCheckpointError",
     "Region",
     "SaveStats",
@@ -61,6 +62,7 @@ __all__ = [
     "list_checkpoints",
     "load_checkpoint",
     "load_metadata",
+    "open_checkpoint",
     "restore_rng_state",
     "save_checkpoint",
     "split_flat_buffer",

@@ -1,9 +1,10 @@
-"""load_checkpoint: assemble any region of any saved tensor from the pieces that overlap it.
+"""load_checkpoint / open_checkpoint: assemble any region of any saved tensor from the pieces that overlap it.
 
 Only safetensors (`safe_open` + `get_slice`, memory-mapped) and JSON are read; no
 pickle. A piece is read only where it overlaps the request, so a rank that needs 1/8
 of an expert stack reads 1/8 of it (plus, with verify=True, one checksum pass over
-each file it touches).
+each file it touches). `open_checkpoint` keeps index.json and the opened files for many
+reads; `load_checkpoint` is one read through it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -79,35 +81,87 @@ def load_checkpoint(
     (weights and optimizer state: never a valid resume point); the failing request's `out` is left
     untouched (its parts are held until all are checked), those of earlier requests are filled.
     Raises a CheckpointError subclass naming the tensor, file or region that is wrong.
+    To read tensor by tensor, open the checkpoint once with `open_checkpoint` instead.
     """
-    path = resolve(path)
-    index = read_index(path)
-    if requests is None:
-        requests = [LoadRequest(name) for name in index.tensors]
-    _validate(path, index, requests)
-    out: dict[str, torch.Tensor] = {}
-    with _Files(path, index, verify) as files:
-        for req in requests:
-            out[req.name] = _assemble(index, files, req, device, require_finite)
-    return out
+    with open_checkpoint(path, verify=verify) as ckpt:
+        return ckpt.read(requests, device=device, require_finite=require_finite)
+
+
+def open_checkpoint(path: str | Path, *, verify: bool = True) -> OpenCheckpoint:
+    """A committed checkpoint (or a run directory's latest) opened for many reads; use it in a `with` block.
+
+        with open_checkpoint("run") as ckpt:
+            for name in ckpt.names:
+                w = ckpt.read([LoadRequest(name)])[name]
+
+    index.json is read and checked here, once; each shard file is checked (size, checksum when verify,
+    safetensors header against index.json) and opened on its first read, once, and held until close.
+    """
+    return OpenCheckpoint(resolve(path), verify)
 
 
 def verify_checkpoint(path: str | Path) -> Path:
-    """Check every shard file's presence, size and checksum once; returns the resolved path.
+    """Check every shard file's presence, size, checksum and header once; returns the resolved path.
 
     Lets a reader that loads tensor by tensor pass verify=False afterwards.
     """
-    path = resolve(path)
-    index = read_index(path)
-    with _Files(path, index, verify=True) as files:
-        for fname in index.files:
-            files.get(fname)
-    return path
+    with open_checkpoint(path, verify=True) as ckpt:
+        ckpt.check_all_files()
+        return ckpt.path
+
+
+class OpenCheckpoint:
+    """One checkpoint's parsed index.json and its shard files, opened on first use (see `open_checkpoint`)."""
+
+    def __init__(self, path: Path, verify: bool) -> None:
+        self.path = path
+        self._index = read_index(path)
+        self._files = _Files(path, self._index, verify)
+        self._closed = False
+
+    @property
+    def names(self) -> list[str]:
+        """Every tensor's global name, in index.json's order."""
+        return list(self._index.tensors)
+
+    def read(
+        self,
+        requests: Sequence[LoadRequest] | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        require_finite: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """load_checkpoint's reads (same requests, results and errors) without re-reading index.json."""
+        self._check_open()
+        if requests is None:
+            requests = [LoadRequest(name) for name in self._index.tensors]
+        _validate(self.path, self._index, requests)
+        return {req.name: _assemble(self._index, self._files, req, device, require_finite) for req in requests}
+
+    def check_all_files(self) -> None:
+        """Open (and check) every shard file now rather than at its first read: a damaged file fails here."""
+        self._check_open()
+        for fname in self._index.files:
+            self._files.get(fname)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"checkpoint {self.path} was closed; read it inside its `with open_checkpoint(...)` block")
+
+    def close(self) -> None:
+        self._closed = True
+        self._files.close()
+
+    def __enter__(self) -> OpenCheckpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _validate(path: Path, index: Index, requests: Sequence[LoadRequest]) -> None:
     names = [r.name for r in requests]
-    dup = sorted({n for n in names if names.count(n) > 1})
+    dup = sorted(n for n, count in Counter(names).items() if count > 1)
     if dup:
         raise ValueError(f"tensors {dup} are requested more than once; request each name once")
     missing = [n for n in names if n not in index.tensors]

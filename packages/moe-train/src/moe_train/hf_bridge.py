@@ -3,18 +3,20 @@
     export_hf("runs/tiny", "out/hf", dtype="bf16")             # a run dir, a checkpoint dir, or a Transformer
     cfg, state = import_hf("out/hf", "runs/from-hf/init")      # our Config + fp32 state dict (+ files)
 
-A checkpoint directory is, for now, `model.safetensors` (our full state dict by our names) plus
-`config.json` (Config.to_dict()) or the trainer's `state.json` (whose "config" is the same). Other
-layouts plug in through `register_checkpoint_reader` (e.g. moe-ckpt's sharded reader).
+A checkpoint directory is the trainer's moe-ckpt checkpoint (any layout; opened once with
+`moe_ckpt.open_checkpoint` and read tensor by tensor), or `model.safetensors` (our full state dict by our
+names) plus `config.json` (Config.to_dict()) or a `state.json` (whose "config" is the same). Other
+layouts plug in through `register_checkpoint_reader`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ import torch
 from huggingface_hub import HfApi
 from safetensors.torch import save_file
 
-from moe_ckpt import LoadRequest, inspect_checkpoint, load_checkpoint, load_metadata, verify_checkpoint
+from moe_ckpt import LoadRequest, load_metadata, open_checkpoint
 from moe_ckpt.hf import (
     ExportSummary, HFConversionError, TensorSource, export_hf_folder, open_hf_folder, open_safetensors, read_json_object,
 )
@@ -33,6 +35,7 @@ from moe_train.trainer import checkpoint as ckpt
 from moe_train.trainer.data_setup import default_data_dir
 
 # A reader takes a path and returns (Config.to_dict(), tensor source), or None when the layout is not its own.
+# A source that holds files open is also a context manager: the export closes it when it ends.
 CheckpointReader = Callable[[Path], "tuple[dict[str, Any], TensorSource] | None"]
 CHECKPOINT_READERS: list[CheckpointReader] = []
 HF_EXTRA_FILE = "hf_extra.json"  # token ids / max length carried from an imported folder to the next export
@@ -56,6 +59,22 @@ def _stored_config(path: Path, stored: dict[str, Any]) -> Config:
         raise ConfigError(f"checkpoint {str(path)!r}: stored config: {e}") from None
 
 
+class _OpenFilesSource:
+    """A tensor source that reads from files held open until the export closes it (a `with` block)."""
+
+    def __init__(self, get: Callable[[str], torch.Tensor], files: contextlib.AbstractContextManager) -> None:
+        self._get, self._files = get, files
+
+    def __call__(self, name: str) -> torch.Tensor:
+        return self._get(name)
+
+    def __enter__(self) -> _OpenFilesSource:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._files.__exit__(*exc)
+
+
 def _safetensors_reader(path: Path) -> tuple[dict[str, Any], TensorSource] | None:
     weights = path / "model.safetensors"
     if not weights.is_file():
@@ -70,7 +89,7 @@ def _safetensors_reader(path: Path) -> tuple[dict[str, Any], TensorSource] | Non
         raise HFConversionError(f"checkpoint {str(path)!r}: expected config.json (Config.to_dict()) or a state.json "
                                 "with a 'config' entry beside model.safetensors")
     handle = open_safetensors(weights)  # lazy: one tensor is read per call
-    return cfg, lambda name: handle.get_tensor(name)
+    return cfg, _OpenFilesSource(handle.get_tensor, handle)
 
 
 def _moe_ckpt_reader(path: Path) -> tuple[dict[str, Any], TensorSource] | None:
@@ -86,26 +105,36 @@ def _moe_ckpt_reader(path: Path) -> tuple[dict[str, Any], TensorSource] | None:
         folder = default_data_dir(_stored_config(path, cfg).data)
         if (folder / "meta.json").is_file():
             cfg = {**cfg, "data": {**data, "path": str(folder)}}
-    names = set(inspect_checkpoint(path)["tensors"])
-    verify_checkpoint(path)  # once for all files; each tensor read below then skips the checksum
+    ckpt = open_checkpoint(path)  # index.json parsed once; each shard file opened and checksummed once
+    try:
+        ckpt.check_all_files()  # a damaged file fails the export before any tensor is converted
+    except BaseException:
+        ckpt.close()
+        raise
+    names = set(ckpt.names)
 
     def read(name: str) -> torch.Tensor:
         stored = f"optim.{name}.master" if f"optim.{name}.master" in names else name
         if stored not in names:
             raise HFConversionError(f"checkpoint {str(path)!r} has no tensor {name!r}")
-        return load_checkpoint(path, [LoadRequest(stored)], verify=False)[stored]
+        return ckpt.read([LoadRequest(stored)])[stored]
 
-    return cfg, read
+    return cfg, _OpenFilesSource(read, ckpt)
 
 
-def load_checkpoint_source(ckpt: str | Path) -> tuple[Config, TensorSource]:
-    """(Config, lazy tensor source by our names) for a run dir or checkpoint dir. The Config holds the
-    stored model and tokenizer fields (export_config_from_dict); its train and parallel are defaults."""
+@contextlib.contextmanager
+def open_checkpoint_source(ckpt: str | Path) -> Iterator[tuple[Config, TensorSource]]:
+    """(Config, lazy tensor source by our names) for a run dir or checkpoint dir, its files open inside the
+    `with` block. The Config holds the stored model and tokenizer fields (export_config_from_dict); its train
+    and parallel are defaults."""
     path = _resolve_checkpoint(Path(ckpt))
     for reader in [*CHECKPOINT_READERS, _moe_ckpt_reader, _safetensors_reader]:
         found = reader(path)
         if found is not None:
-            return _stored_config(path, found[0]), found[1]
+            cfg, source = found
+            with source if isinstance(source, contextlib.AbstractContextManager) else contextlib.nullcontext():
+                yield _stored_config(path, cfg), source
+            return
     raise HFConversionError(f"checkpoint {str(path)!r}: no reader recognises it (expected model.safetensors + "
                             "config.json, a run dir with checkpoints/latest, or a registered reader's layout)")
 
@@ -139,26 +168,27 @@ def export_hf(
     and to the checkpoint's hf_extra.json (written by import_hf).
     """
     extra: dict[str, Any] = {}
-    if isinstance(source, Transformer):
-        model_dict: dict[str, Any] = dataclasses.asdict(source.cfg)
-        tensors: TensorSource = source.state_dict()
-    else:
-        cfg, tensors = load_checkpoint_source(source)
-        model_dict = cfg.to_dict()["model"]
-        data_tok, extra = _data_tokenizer(cfg)
-        tokenizer_json = tokenizer_json or data_tok
-        if tokenizer_json is None:
-            warnings.warn(
-                f"export of {str(source)!r}: no tokenizer found for data.path={cfg.data.path!r} "
-                f"(data.cache_dir={cfg.data.cache_dir!r}, relative paths taken from {os.getcwd()}); the folder gets "
-                "no tokenizer.json: run from the training directory or pass tokenizer_json=", stacklevel=2)
-        extra_file = _resolve_checkpoint(Path(source)) / HF_EXTRA_FILE
-        if extra_file.is_file():
-            extra.update(read_json_object(extra_file))
-    extra.update(extra_config or {})
-    kwargs = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
-    summary = export_hf_folder(model_dict, tensors, out_dir, dtype=dtype, tokenizer_json=tokenizer_json,
-                               extra_config=extra, allow_benchmark_routing=allow_benchmark_routing, **kwargs)
+    with contextlib.ExitStack() as open_files:  # a checkpoint's files stay open until the export is written
+        if isinstance(source, Transformer):
+            model_dict: dict[str, Any] = dataclasses.asdict(source.cfg)
+            tensors: TensorSource = source.state_dict()
+        else:
+            cfg, tensors = open_files.enter_context(open_checkpoint_source(source))
+            model_dict = cfg.to_dict()["model"]
+            data_tok, extra = _data_tokenizer(cfg)
+            tokenizer_json = tokenizer_json or data_tok
+            if tokenizer_json is None:
+                warnings.warn(
+                    f"export of {str(source)!r}: no tokenizer found for data.path={cfg.data.path!r} "
+                    f"(data.cache_dir={cfg.data.cache_dir!r}, relative paths taken from {os.getcwd()}); the folder "
+                    "gets no tokenizer.json: run from the training directory or pass tokenizer_json=", stacklevel=2)
+            extra_file = _resolve_checkpoint(Path(source)) / HF_EXTRA_FILE
+            if extra_file.is_file():
+                extra.update(read_json_object(extra_file))
+        extra.update(extra_config or {})
+        kwargs = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
+        summary = export_hf_folder(model_dict, tensors, out_dir, dtype=dtype, tokenizer_json=tokenizer_json,
+                                   extra_config=extra, allow_benchmark_routing=allow_benchmark_routing, **kwargs)
     if push_to_hub:
         push_folder(out_dir, push_to_hub, private=private)
     return summary

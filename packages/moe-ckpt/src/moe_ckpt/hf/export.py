@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -87,6 +88,7 @@ def export_hf_folder(
     The folder is written whole under a temporary name beside out_dir and renamed into place at
     the end: a failure leaves out_dir as it was. An existing out_dir is replaced only when it is
     empty or holds nothing but a previous export's files; anything else is refused up front.
+    What killed exports to the same out_dir left beside it is cleaned up first (`_clean_leftovers`).
     """
     if dtype not in DTYPES:
         raise HFConversionError(f"dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
@@ -101,9 +103,10 @@ def export_hf_folder(
     if tokenizer_json is not None and not Path(tokenizer_json).is_file():  # before any shard is written
         raise HFConversionError(f"tokenizer_json={str(tokenizer_json)!r} is not a file; "
                                 "expected a tokenizers tokenizer.json")
+    _clean_leftovers(final)
     _check_replaceable(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    out = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    out = _beside(final, "tmp")
     out.mkdir()
     try:
         num_tensors = _write_folder(out, plan, shard_of, n_shards, total, source, dtype, hf_config, tokenizer_json)
@@ -153,11 +156,61 @@ def _check_replaceable(final: Path) -> None:
         )
 
 
+def _beside(final: Path, kind: str) -> Path:
+    """`.NAME.tmp-PID-XXXXXXXX` (the folder being written) or `.NAME.old-PID-XXXXXXXX` (the previous export,
+    moved aside): hidden, beside `final`, naming the process that owns it."""
+    return final.parent / f".{final.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _leftover_pattern(final: Path) -> re.Pattern[str]:
+    """The names `_beside` makes for `final`, and those of moe-ckpt <= 0.4.1 (no pid)."""
+    return re.compile(rf"\.{re.escape(final.name)}\.(tmp|old)-(?:([1-9][0-9]*)-)?[0-9a-f]{{8}}")
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():  # another export in this process (a thread), or ours: not a leftover
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: alive, another user's
+        return True
+    return True
+
+
+def _clean_leftovers(final: Path) -> None:
+    """Remove what killed exports to `final` left beside it: `.NAME.tmp-*` folders (a partial export) and
+    `.NAME.old-*` folders (the export before it, moved aside). Only real folders with exactly the names
+    `_beside` makes (or made without a pid, up to moe-ckpt 0.4.1), and only when the pid in the name is no
+    running process. When `final` is missing and an `.old-*` folder is there, the export was stopped between
+    its two renames: the previous export is renamed back to `final` (the newest one if several), with a
+    warning, so that it is kept if this export fails too and replaced like any previous export if it succeeds."""
+    if not final.parent.is_dir():
+        return
+    pattern, tmp, old = _leftover_pattern(final), [], []
+    for p in final.parent.iterdir():
+        m = pattern.fullmatch(p.name)
+        if m is None or p.is_symlink() or not p.is_dir() or (m[2] is not None and _running(int(m[2]))):
+            continue
+        (tmp if m[1] == "tmp" else old).append(p)
+    if old and not os.path.lexists(final):
+        keep = max(old, key=lambda p: p.stat().st_mtime)
+        os.rename(keep, final)
+        old.remove(keep)
+        warnings.warn(
+            f"export to {str(final)!r}: out_dir was missing and {keep.name} beside it held the previous export, "
+            "moved aside by an export that was stopped before it moved its new folder in; restored it to "
+            f"{final.name} (this export replaces it as usual)", UserWarning, stacklevel=3)
+    for p in tmp + old:
+        shutil.rmtree(p, ignore_errors=True)
+
+
 def _replace(final: Path, new: Path) -> None:
     """Rename `new` to `final`; a previous export at `final` is moved aside first and deleted after."""
     old = None
     if final.exists():
-        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+        old = _beside(final, "old")
         os.rename(final, old)
     os.rename(new, final)
     if old is not None:
