@@ -1,4 +1,6 @@
 """Bump one package's version, add a CHANGELOG heading, and keep every exact pin on it in step.
+An "## Unreleased" section at the top of the CHANGELOG becomes the new version's (with --message
+as its first entry when given).
 
 usage: python tools/bump_version.py moe-kernels minor [--message "what changed"]
 """
@@ -12,6 +14,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("major", "minor", "patch")
+
+
+UNRELEASED = "## Unreleased\n"
+DEFAULT_MESSAGE = "See the commit log."
 
 
 def bumped(version: str, part: str) -> str:
@@ -43,7 +49,12 @@ def bump(package: str, part: str, message: str, root: Path = ROOT) -> str:
     changelog = pkg_dir / "CHANGELOG.md"
     old = changelog.read_text() if changelog.is_file() else "# Changelog\n"
     head, _, rest = old.partition("\n\n")
-    changelog.write_text(f"{head}\n\n## {new}\n- {message}\n\n{rest}")
+    if rest.startswith(UNRELEASED):  # the entries gathered under "## Unreleased" become this release's
+        entries = rest[len(UNRELEASED):]
+        extra = "" if message == DEFAULT_MESSAGE else f"- {message}\n"
+        changelog.write_text(f"{head}\n\n## {new}\n{extra}{entries}")
+    else:
+        changelog.write_text(f"{head}\n\n## {new}\n- {message}\n\n{rest}")
     for other in (root / "packages").glob("*/pyproject.toml"):
         t = other.read_text()
         t2 = re.sub(rf'"{re.escape(package)}==[^"]+"', f'"{package}=={new}"', t)
@@ -56,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("package")
     p.add_argument("part", choices=PARTS)
-    p.add_argument("--message", default="See the commit log.")
+    p.add_argument("--message", default=DEFAULT_MESSAGE)
     a = p.parse_args(argv)
     print(bump(a.package, a.part, a.message))
     return 0
