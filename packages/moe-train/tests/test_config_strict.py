@@ -267,3 +267,18 @@ def test_a_null_head_dim_on_the_command_line_undoes_the_config_files_and_derives
 def test_an_override_that_is_not_yaml_names_the_override(capsys):
     line = error_line(capsys, ["info", "--model.dense_layers=[0,"])
     assert line.startswith("moe-train: error: override --model.dense_layers=[0,: invalid YAML at line 1"), line
+
+
+def test_a_path_starting_with_a_tilde_means_the_home_folder_on_the_command_line_and_in_yaml(tmp_path):
+    from pathlib import Path
+
+    from moe_train.config_io import build_config
+
+    home = str(Path.home())
+    cfg = build_config(overrides={"train.run_dir": "~/runs/x", "data.cache_dir": "~/cache"})
+    assert cfg.train.run_dir == f"{home}/runs/x" and cfg.data.cache_dir == f"{home}/cache"
+    run = tmp_path / "run.yaml"
+    run.write_text("data: {path: ~/corpus}\ntrain: {run_dir: ~/runs/y}\n")
+    cfg = build_config(yaml_path=str(run))
+    assert cfg.data.path == f"{home}/corpus" and cfg.train.run_dir == f"{home}/runs/y"
+    assert build_config(overrides={"train.run_dir": "runs/~x"}).train.run_dir == "runs/~x"  # only a leading ~

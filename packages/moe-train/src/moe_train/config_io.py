@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import typing
 from pathlib import Path
@@ -278,7 +279,18 @@ def build_config(preset: str | None = None, yaml_path: str | None = None, overri
     apply_mapping(cfg, mapping)
     for key, value in (overrides or {}).items():
         set_field(cfg, key, read_override(key, value) if isinstance(value, str) else value)
+    _expand_home(cfg)
     return validate(cfg)
+
+
+def _expand_home(cfg: Config) -> None:
+    """A path field starting with `~` or `~user` means that home folder, as in a shell: the shell leaves
+    `--train.run_dir=~/x` as typed, and without this the run would write into a folder named `~`."""
+    for section, name in (("data", "path"), ("data", "cache_dir"), ("train", "run_dir")):
+        part = getattr(cfg, section)
+        value = getattr(part, name)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(part, name, os.path.expanduser(value))
 
 
 def _without_removed(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
