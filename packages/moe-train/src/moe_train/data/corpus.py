@@ -10,6 +10,8 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+from moe_train.data.token_file import DataError
+
 
 def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
@@ -35,13 +37,27 @@ def stdlib_documents(max_bytes: int) -> Iterator[str]:
             return
 
 
+def _read_text(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{str(path)!r} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}): "
+                        "prepare-data reads UTF-8 text files; convert it or leave it out") from None
+
+
 def text_file_documents(paths: list[str]) -> Iterator[str]:
-    """Each given file is one document; folders contribute their *.txt, *.md and *.py files."""
+    """Each given file is one document; folders contribute their *.txt, *.md and *.py files. A file named
+    twice (or both by name and through its folder) is read once; a file that is not UTF-8 is refused."""
+    files: dict[Path, Path] = {}  # resolved -> as given, in order
     for p in map(Path, paths):
         if p.is_dir():
-            for f in sorted(q for q in p.rglob("*") if q.suffix in (".txt", ".md", ".py") and q.is_file()):
-                yield f.read_text(encoding="utf-8", errors="replace")
+            found = sorted(q for q in p.rglob("*") if q.suffix in (".txt", ".md", ".py") and q.is_file())
         elif p.is_file():
-            yield p.read_text(encoding="utf-8", errors="replace")
+            found = [p]
         else:
             raise FileNotFoundError(f"input path {str(p)!r} does not exist")
+        for f in found:
+            files.setdefault(f.resolve(), f)
+    for f in files.values():
+        yield _read_text(f)

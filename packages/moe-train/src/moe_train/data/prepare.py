@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -29,7 +30,8 @@ def split_blocks(stream: np.ndarray, eval_fraction: float, block: int) -> tuple[
     if not is_eval.any():
         is_eval[-1] = True
     if is_eval.all():
-        raise ValueError(f"{stream.size} tokens are too few to hold out an eval split in blocks of {block}")
+        raise DataError(f"the corpus is {stream.size} tokens (documents and their end-of-text tokens), too few to "
+                        f"hold out an eval split (every {every}th block of tokens); give prepare-data more text")
     mask = np.repeat(is_eval, block)[: stream.size]
     return stream[~mask], stream[mask]
 
@@ -40,7 +42,14 @@ def split_blocks(stream: np.ndarray, eval_fraction: float, block: int) -> tuple[
 MAX_WORD_CHARS = 256
 
 
+# A byte-level BPE starts from the 256 byte tokens and the end-of-text token.
+MIN_BPE_VOCAB = 257
+
+
 def train_bpe(docs: Iterable[str], vocab_size: int) -> Tokenizer:
+    if vocab_size < MIN_BPE_VOCAB:
+        raise DataError(f"vocab_size={vocab_size}: expected >= {MIN_BPE_VOCAB} (a byte-level BPE holds the 256 byte "
+                        f"tokens and {EOS})")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(rf"\S{{{MAX_WORD_CHARS}}}"), behavior="isolated"),
@@ -55,20 +64,35 @@ def train_bpe(docs: Iterable[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
+def _load_tokenizer(path: str) -> Tokenizer:
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--tokenizer {path!r} " + ("is a folder" if Path(path).is_dir() else "does not exist")
+                                + ": expected a Hugging Face tokenizer.json file")
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises a bare Exception for JSON it cannot read
+        raise DataError(f"--tokenizer {path!r}: not a Hugging Face tokenizer.json ({e})") from None
+
+
 def _build(docs: list[str], tmp: Path, vocab_size: int, tokenizer_path: str | None, eval_fraction: float,
            source: str) -> None:
     if tokenizer_path:
-        if not Path(tokenizer_path).is_file():
-            raise FileNotFoundError(f"tokenizer {tokenizer_path!r} does not exist")
-        tok = Tokenizer.from_file(tokenizer_path)
+        tok = _load_tokenizer(tokenizer_path)
     else:
         tok = train_bpe(docs, vocab_size)
+        if tok.get_vocab_size() < vocab_size:
+            got = tok.get_vocab_size()
+            warnings.warn(f"vocab_size={vocab_size} asked for, but the corpus gives only {got} tokens (no more pairs "
+                          f"to merge); meta.json records vocab_size={got}", stacklevel=3)
     eos_id = tok.token_to_id(EOS)
     if eos_id is None:
         eos_id = tok.get_vocab_size() - 1 if tokenizer_path else 0
     tok.save(str(tmp / "tokenizer.json"))
-    encoded = [e.ids + [eos_id] for e in tok.encode_batch(docs)]
-    stream = np.fromiter((t for doc in encoded for t in doc), dtype=np.uint32)
+    # A document's text "<|endoftext|>" (code about tokenizers, say) is text, not the end of the document. Set
+    # after saving: the tokenizer.json users load keeps the library's default.
+    tok.encode_special_tokens = True
+    eos = np.array([eos_id], dtype=np.uint32)
+    stream = np.concatenate([a for e in tok.encode_batch_fast(docs) for a in (np.asarray(e.ids, dtype=np.uint32), eos)])
     train, held_out = split_blocks(stream, eval_fraction, EVAL_BLOCK_TOKENS)
     n_train, d_train = write_split(tmp, "train", train, eos_id)
     n_eval, d_eval = write_split(tmp, "eval", held_out, eos_id)
@@ -82,26 +106,88 @@ def _build(docs: list[str], tmp: Path, vocab_size: int, tokenizer_path: str | No
     })
 
 
+# What prepare-data writes into a data folder; anything else there is someone's and stops a replace.
+DATA_FILES = frozenset({"meta.json", "tokenizer.json", "train.u32", "eval.u32", "train.docs.u64", "eval.docs.u64"})
+
+
+def _check_replaceable(out: Path) -> None:
+    """`out` may be written: it is new, or an earlier data folder holding nothing but what prepare-data writes."""
+    if not out.exists():
+        return
+    if not (out.is_dir() and (out / "meta.json").is_file()):
+        raise DataError(f"--out {str(out)!r} exists and is not a data folder (no meta.json): prepare-data replaces "
+                        "its output whole, so it only writes a new folder or over an earlier data folder")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in DATA_FILES and not p.name.endswith(".tmp"))
+    if foreign:
+        raise DataError(f"--out {str(out)!r} is a data folder that also holds {foreign[:5]}, which prepare-data did "
+                        "not write (inputs kept in the output folder?); it replaces its output whole, so move them "
+                        "out or choose another --out")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # someone else's process, or not a pid we can ask about: leave its folder alone
+    return True
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Folders of earlier runs on `out` that were killed (their process is gone, or it is this one, interrupted
+    before): never data, only clutter."""
+    for marker in (".tmp-", ".old-"):
+        for p in out.parent.glob(f"{out.name}{marker}*"):
+            pid = p.name[len(out.name) + len(marker):]
+            if pid.isdigit() and p.is_dir() and (int(pid) == os.getpid() or not _pid_alive(int(pid))):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _install(tmp: Path, out: Path) -> None:
+    """Put the finished folder `tmp` at `out`: the old folder is renamed aside, the new one renamed in, and only
+    then is the old one deleted. `out` is at every moment the old folder whole, absent, or the new one whole;
+    a run killed while deleting never leaves a half-deleted folder that still has its meta.json."""
+    old = out.with_name(out.name + f".old-{os.getpid()}")
+    for _ in range(10):  # another prepare on the same folder may put its own in between: move that aside too
+        try:
+            os.replace(out, old)
+        except FileNotFoundError:
+            pass
+        try:
+            os.replace(tmp, out)
+            break
+        except OSError:
+            if not out.exists():
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+    else:
+        raise DataError(f"--out {str(out)!r}: other processes keep writing it; could not put {str(tmp)!r} in place")
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def prepare_data(
     docs: list[str], out: str | Path, vocab_size: int = 4096, tokenizer_path: str | None = None,
     eval_fraction: float = 0.02, source: str = "",
 ) -> Path:
-    """Write a data folder at `out` (built in a temporary folder, then renamed). Returns its path."""
-    out = Path(out)
-    if out.exists() and not (out.is_dir() and (out / "meta.json").is_file()):
-        raise DataError(f"--out {str(out)!r} exists and is not a data folder (no meta.json): prepare-data replaces "
-                        "its output whole, so it only writes a new folder or over an earlier data folder")
+    """Write a data folder at `out` (built in a temporary folder, then renamed). Returns its path.
+    Empty and whitespace-only documents are left out (they would be an end-of-text token alone)."""
+    out = Path(os.path.abspath(out)) if Path(out).name in ("", "..") else Path(out)  # "--out ." has a name to rename
+    _check_replaceable(out)
+    given = len(docs)
+    docs = [d for d in docs if d.strip()]
     if not docs:
-        raise DataError("no documents to tokenize (expected .txt, .md or .py files with text)")
+        raise DataError(f"no documents to tokenize: {given} given, " + ("all empty or whitespace" if given else
+                        "expected .txt, .md or .py files with text"))
+    _remove_leftovers(out)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         _build(docs, tmp, vocab_size, tokenizer_path, eval_fraction, source)
+        _check_replaceable(out)  # nothing of someone else's arrived there while we worked
+        _install(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
         raise
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
     return out

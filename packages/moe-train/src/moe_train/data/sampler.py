@@ -53,6 +53,7 @@ class WindowSampler:
             raise ValueError(f"sampler state has seq_len={state['seq_len']}, this run uses {self.seq_len}")
         self.samples_seen = int(state["samples_seen"])
         self.seed = int(state["seed"])
+        self._perm_epoch = -1  # a permutation drawn before this load may be of another seed
 
 
 def eval_windows(tokens: np.ndarray, seq_len: int, num_windows: int, max_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

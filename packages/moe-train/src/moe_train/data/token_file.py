@@ -103,7 +103,8 @@ def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, Toke
         tokens = np.memmap(tok_path, dtype="<u4", mode="r") if size else np.zeros(0, dtype=np.uint32)
         expected = meta["splits"][name]["num_tokens"]
         if expected != tokens.size:
-            raise DataError(f"{tok_path}: holds {tokens.size} tokens but meta.json says {expected}")
+            raise DataError(f"{tok_path}: holds {tokens.size} tokens ({size} bytes of uint32) but meta.json says "
+                            f"{expected}; the file is truncated, or not of this meta.json")
         doc_ends = np.fromfile(doc_path, dtype="<u8") if doc_path.is_file() else np.array([tokens.size], dtype=np.uint64)
         if tokens.size:
             top = int(_chunked_max(tokens))
@@ -113,6 +114,11 @@ def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, Toke
                     f"the data was tokenized with vocab_size={meta.get('vocab_size')}"
                 )
         splits[name] = TokenSplit(tokens, doc_ends)
+    if meta["vocab_size"] > vocab_size:  # the ids in the files fit, but the tokenizer can emit ones that do not
+        raise DataError(f"{meta_path}: the data was tokenized with vocab_size={meta['vocab_size']}, larger than "
+                        f"model.vocab_size={vocab_size}: the model cannot embed ids its tokenizer.json emits; "
+                        f"set model.vocab_size >= {meta['vocab_size']} or prepare the data with "
+                        f"--vocab-size {vocab_size}")
     return meta, splits
 
 
