@@ -10,6 +10,7 @@ import importlib
 import os
 import socket
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from moe_kernels import AllToAllDispatcher, LocalDispatcher, build_route_map, sw
 
 pytestmark = pytest.mark.slow
 WORLD, E, D, H, K = 2, 8, 16, 8, 2
+SPAWN_DEADLINE_S = 90  # the spawn takes ~10 s on 2 CPU cores; a mismatched collective must fail, not hang
 
 
 def _moe(x, ids, weights, w1, w2, dispatcher):  # noqa: ANN001, ANN202
@@ -107,7 +109,13 @@ def results(tmp_path_factory):
     # Spawned children unpickle the worker by module name: import this file under its plain name.
     sys.path.insert(0, str(Path(__file__).parent))
     worker = importlib.import_module(Path(__file__).stem)._worker
-    mp.spawn(worker, args=(port, str(out_dir)), nprocs=WORLD, join=True)
+    context = mp.spawn(worker, args=(port, str(out_dir)), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + SPAWN_DEADLINE_S
+    while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {WORLD} ranks did not finish within {SPAWN_DEADLINE_S} s (mismatched collectives?)")
     res = [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
     for r, x in enumerate(res):
         assert "error" not in x, f"rank {r}:\n{x['error']}"

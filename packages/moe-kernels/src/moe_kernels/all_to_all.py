@@ -9,6 +9,14 @@ Host synchronisation: all_to_all_single needs its split sizes as host ints, so t
 makes exactly one device->host copy per dispatch (send counts and receive counts in one tensor).
 Combine reuses those sizes and needs none. A row-wise NVSHMEM transport removes the copy.
 
+Failing together: a collective that one rank never enters waits for the process-group timeout
+(30 minutes by default), and rows of another width or dtype than the receiver expects abort the
+process inside gloo (SIGABRT) or corrupt memory under NCCL. So every rank checks its own inputs
+*before* the first collective and sends, beside its counts, a small header (a status, the payload's
+values per row and dtype, d); after that one exchange every EP rank knows whether every other
+rank can go on, and all of them raise the same kind of ValueError, before any row moves, when one
+cannot (its own rank the detailed message, the others one naming that rank).
+
 Capacity (optional): with capacity_factor c > 0 a rank computes at most ceil(c * T * k) received
 rows; rows past the cap in local-expert order (higher local experts, then higher source ranks,
 then later tokens) are dropped - their expert output is zero - and counted in `dropped`.
@@ -25,8 +33,20 @@ import torch
 import torch.distributed as dist
 
 from moe_kernels.dispatch import DispatchResult, IdentityCodec, PayloadCodec
-from moe_kernels.permute import combine, permute
+from moe_kernels.permute import check_rows, combine, permute
 from moe_kernels.route_map import RouteMap
+
+# Header columns sent to every EP peer after the [E_local] counts (int64).
+_STATUS, _ROW_NUMEL, _DTYPE, _WIDTH = range(4)
+_HEADER = 4
+_BAD_INPUT, _BAD_COUNTS = 1, 2  # status bits
+# Payload dtypes by a code every process computes alike (the header travels as int64).
+_DTYPES = tuple(
+    getattr(torch, name)
+    for name in ("float32", "bfloat16", "float16", "float64", "uint8", "int8", "int16", "int32", "int64",
+                 "bool", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "float4_e2m1fn_x2")
+    if hasattr(torch, name)
+)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -79,29 +99,52 @@ class AllToAllDispatcher:
         self.group = group
         self.ep_size = dist.get_world_size(group)
         self.ep_rank = dist.get_rank(group)
+        if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
+            raise ValueError(f"num_experts={num_experts!r} must be a positive integer")
         if num_experts % self.ep_size != 0:
             raise ValueError(f"num_experts={num_experts} is not divisible by ep={self.ep_size}")
-        if capacity_factor < 0:
-            raise ValueError(f"capacity_factor={capacity_factor} must be >= 0 (0 = dropless)")
+        if not math.isfinite(capacity_factor) or capacity_factor < 0:
+            raise ValueError(f"capacity_factor={capacity_factor} must be a finite number >= 0 (0 = dropless)")
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.ep_size
         self.capacity_factor = capacity_factor
         self.codec = codec or IdentityCodec()
 
     def dispatch(self, x: torch.Tensor, route_map: RouteMap) -> DispatchResult:
-        """x: [T, d] -> rows [N_kept, d] for the local experts, offsets [E_local] int32."""
+        """x: [T, d] -> rows [N_kept, d] for the local experts, offsets [E_local] int32.
+
+        Call on every rank of the EP group. Bad input on any rank (shapes, counts that are not
+        integers or do not sum to T*k, a payload of another width or dtype than the other ranks')
+        raises on every rank after one small exchange, before any row moves: the rank at fault its
+        own error, the others a ValueError naming that rank.
+        """
+        # The counts exchange is [ep, E_local + header] on every rank, so E cannot travel in it.
         if route_map.num_experts != self.num_experts:
             raise ValueError(f"route map has {route_map.num_experts} experts, dispatcher expects {self.num_experts}")
         ep, e_local = self.ep_size, self.num_local_experts
-        send_counts = route_map.counts.view(ep, e_local)  # [ep, E_local]: rows for each rank's experts
-        recv_counts = torch.empty_like(send_counts)  # [ep, E_local]: from each source rank, per local expert
-        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
+        problem: Exception | None = None
+        payload = None
+        try:
+            dtype = route_map.counts.dtype
+            if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+                raise ValueError(f"route map counts must be an integer tensor, got dtype={dtype}")
+            payload = self.codec.encode(permute(x, route_map))  # [T*k, ...] in global expert order
+            if not isinstance(payload, torch.Tensor) or payload.dim() < 1 or payload.shape[0] != route_map.num_rows:
+                got = tuple(payload.shape) if isinstance(payload, torch.Tensor) else type(payload).__name__
+                raise ValueError(f"codec.encode must return a tensor of T*k={route_map.num_rows} rows, got {got}")
+        except Exception as err:  # noqa: BLE001 - raised below, once every EP rank knows
+            problem = err
+        send = self._counts_and_header(x, route_map, payload, problem)  # [ep, E_local + header] int64
+        recv = torch.empty_like(send)  # row r: from source rank r, its counts for my local experts + its header
+        dist.all_to_all_single(recv, send, group=self.group)
         # The one device->host copy: split sizes must be host ints for all_to_all_single.
-        host = torch.cat([send_counts.sum(1), recv_counts.sum(1)]).tolist()
-        send_splits, recv_splits = host[:ep], host[ep:]
+        host = torch.cat([send[:, :e_local].sum(1), recv.reshape(-1)]).tolist()
+        send_splits = host[:ep]
+        table = [host[ep + r * (e_local + _HEADER) : ep + (r + 1) * (e_local + _HEADER)] for r in range(ep)]
+        self._refuse_together(problem, table, route_map)
+        recv_counts = recv[:, :e_local]  # [ep, E_local]: from each source rank, per local expert
+        recv_splits = [sum(row[:e_local]) for row in table]
         num_recv = sum(recv_splits)
-
-        payload = self.codec.encode(permute(x, route_map))  # [T*k, d] in global expert order
         received = self.codec.decode(all_to_all_rows(payload, recv_splits, send_splits, self.group))
 
         # Received rows come source-rank major; reorder to local-expert major (source rank within).
@@ -121,9 +164,67 @@ class AllToAllDispatcher:
         ctx = AllToAllContext(route_map, send_splits, recv_splits, local_to_recv, num_recv, num_kept)
         return DispatchResult(rows, offsets, ctx, dropped)
 
+    def _counts_and_header(
+        self, x: torch.Tensor, route_map: RouteMap, payload: torch.Tensor | None, problem: Exception | None
+    ) -> torch.Tensor:
+        """[ep, E_local + header] int64 on x's device: row r goes to EP rank r. Built without a host read."""
+        ep, e_local = self.ep_size, self.num_local_experts
+        device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
+        send = torch.zeros(ep, e_local + _HEADER, dtype=torch.int64, device=device)
+        if problem is not None:
+            send[:, e_local + _STATUS] = _BAD_INPUT
+            return send
+        counts = route_map.counts.to(device=device, dtype=torch.int64)
+        send[:, :e_local] = counts.view(ep, e_local)
+        # Counts from a hand-built map that cannot be the split sizes of this rank's T*k rows.
+        bad_counts = (counts < 0).any() | (counts.sum() != route_map.num_rows)
+        send[:, e_local + _STATUS] = bad_counts.to(torch.int64) * _BAD_COUNTS
+        send[:, e_local + _ROW_NUMEL] = math.prod(payload.shape[1:])
+        send[:, e_local + _DTYPE] = _DTYPES.index(payload.dtype) if payload.dtype in _DTYPES else len(_DTYPES)
+        send[:, e_local + _WIDTH] = x.shape[1]
+        return send
+
+    def _refuse_together(self, problem: Exception | None, table: list[list[int]], route_map: RouteMap) -> None:
+        """table[r]: source rank r's counts for my local experts + its header. Same verdict on every rank."""
+        ep, e_local, me = self.ep_size, self.num_local_experts, self.ep_rank
+        if problem is not None:
+            problem.add_note(f"(EP rank {me} of {ep}; every EP rank raised before any row moved)")
+            raise problem
+        status = [row[e_local + _STATUS] for row in table]
+        if status[me] & _BAD_COUNTS:
+            raise ValueError(
+                f"route map counts {route_map.counts.tolist()} have a negative entry or do not sum to "
+                f"T*k={route_map.num_rows} rows (EP rank {me} of {ep}; every EP rank raised before any row moved)"
+            )
+        bad = [r for r in range(ep) if status[r]]
+        if bad:
+            reasons = {_BAD_INPUT: "its inputs were refused", _BAD_COUNTS: "its route map counts are inconsistent"}
+            why = "; ".join(f"EP rank {r}: {reasons.get(status[r], 'refused its inputs')}" for r in bad)
+            raise ValueError(
+                f"dispatch stopped on every EP rank before any row moved: {why} (its own error names the value)"
+            )
+        sent = [(row[e_local + _ROW_NUMEL], row[e_local + _DTYPE], row[e_local + _WIDTH]) for row in table]
+        if len(set(sent)) > 1:
+
+            def name(code: int) -> str:
+                return str(_DTYPES[code]) if code < len(_DTYPES) else "another dtype"
+
+            each = "; ".join(f"rank {r}: d={w} ({n} values per row, {name(c)})" for r, (n, c, w) in enumerate(sent))
+            raise ValueError(
+                f"EP ranks disagree on the rows they dispatch ({each}); every EP rank must send rows of the "
+                "same width and dtype (raised on every EP rank before any row moved)"
+            )
+
     def combine(self, expert_out: torch.Tensor, result: DispatchResult, weights: torch.Tensor) -> torch.Tensor:
         """expert_out: [N_kept, d] local-expert order; weights: [T, k] -> [T, d]."""
         ctx: AllToAllContext = result.context
+        if not isinstance(ctx, AllToAllContext):
+            raise ValueError(
+                f"result.context is a {type(ctx).__name__}: pass the DispatchResult of this dispatcher's dispatch"
+            )
+        check_rows("expert_out", expert_out, "N_kept")
+        if expert_out.shape[0] != ctx.num_kept:
+            raise ValueError(f"expert_out has {expert_out.shape[0]} rows, dispatch handed out N_kept={ctx.num_kept}")
         if ctx.num_kept < ctx.num_recv:  # dropped rows come back as zeros
             pad = expert_out.new_zeros((ctx.num_recv - ctx.num_kept, *expert_out.shape[1:]))
             expert_out = torch.cat([expert_out, pad])

@@ -17,7 +17,14 @@ from moe_kernels.route_map import RouteMap
 
 
 class PayloadCodec(Protocol):
-    """Hook to change what travels in dispatch (e.g. MXFP8 rows). Identity by default."""
+    """Hook to change what travels in dispatch (e.g. MXFP8 rows). Identity by default.
+
+    encode: rows [N, d] in expert order -> the payload that travels: one tensor whose dim 0 is
+    the N rows (any dtype and trailing shape, e.g. uint8 rows with their scales packed beside
+    them), the same width and dtype on every rank. decode runs on the received rows and returns
+    what the experts compute on. Gradients reach x only through what autograd can follow in
+    encode and decode (a lossy cast is fine; a uint8 bit pattern needs its own autograd Function).
+    """
 
     def encode(self, rows: torch.Tensor) -> Any: ...
 
@@ -49,6 +56,11 @@ class DispatchResult:
 
 
 class TokenDispatcher(Protocol):
+    """What a transport implements. With more than one rank, dispatch and combine are collective
+    over the transport's group: every rank calls them in the same order. A transport checks its
+    inputs before its first collective and, when one rank's input is bad, makes every rank raise
+    (a rank that raises alone leaves the others waiting in a collective until the timeout)."""
+
     num_local_experts: int
 
     def dispatch(self, x: torch.Tensor, route_map: RouteMap) -> DispatchResult: ...

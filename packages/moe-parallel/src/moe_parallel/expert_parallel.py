@@ -3,7 +3,7 @@
 A model's MoE layer is any module with `num_experts` (global), `experts` (a module whose
 parameters are stacked per expert along dim 0), `dispatcher` and `router`. Applying expert
 parallelism keeps this rank's contiguous block of experts, swaps in the all-to-all dispatcher
-and points the router's global balancing-loss counts at the data-parallel group.
+(keeping the layer's payload codec) and points the router's global balancing-loss counts at the data-parallel group.
 """
 
 from __future__ import annotations
@@ -73,5 +73,7 @@ def apply_expert_parallel(model: nn.Module, groups: ParallelGroups, capacity_fac
                 local = p[ep_rank * e_local : (ep_rank + 1) * e_local].clone()
                 setattr(owner, leaf, nn.Parameter(local, requires_grad=p.requires_grad))
         if ep > 1 or capacity_factor > 0:  # capacity is a property of the all-to-all transport
-            layer.dispatcher = AllToAllDispatcher(groups.ep, e, capacity_factor)
+            # The layer's payload codec (e.g. MXFP8 rows) moves to the new transport with it.
+            codec = getattr(layer.dispatcher, "codec", None)
+            layer.dispatcher = AllToAllDispatcher(groups.ep, e, capacity_factor, codec=codec)
     return shards
