@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
 
 
 def apply_fsdp(model: nn.Module, group: dist.ProcessGroup, device_type: str) -> nn.Module:
@@ -20,6 +18,10 @@ def apply_fsdp(model: nn.Module, group: dist.ProcessGroup, device_type: str) -> 
     holding DTensor parameters; gradient sync across micro-batches is controlled with
     `model.set_requires_gradient_sync(last_micro_batch)`.
     """
+    # imported here: torch.distributed.fsdp costs ~3 s to import, and every rank imports moe_parallel
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
     mesh = DeviceMesh.from_group(group, device_type)
     for module in list(model.modules()):
         if isinstance(module, nn.ModuleList):
