@@ -149,3 +149,33 @@ def test_a_checkpoint_holding_nan_or_inf_is_refused_and_no_checkpoint_is_deleted
         Trainer(cfg).train()
     assert sorted(p.name for p in root.iterdir()) == before
     assert not [r for r in read_metrics(tmp_path / "run") if isinstance(r.get("step"), int) and r["step"] > 4]
+
+
+def test_a_resume_on_other_training_data_or_with_another_data_seed_says_so(tmp_path, data_dir, make_config):
+    """The sampler continues at its position in the checkpoint's order: on a re-prepared or other data folder
+    (another window count) that is not a continuation, and this run's data.seed is not used; both warn."""
+    import warnings
+
+    from moe_train.data import prepare_data, stdlib_documents
+
+    cfg = make_config(tmp_path, steps=2, eval_interval=0, save_interval=2)
+    cfg.data.path = str(data_dir)
+    Trainer(cfg).train()
+
+    def resume_warnings(**data):
+        c = make_config(tmp_path, steps=3, eval_interval=0, save_interval=0)
+        c.data.path = str(data_dir)
+        for k, v in data.items():
+            setattr(c.data, k, v)
+        t = Trainer(c)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t.restore(t.resume_point())
+        return [str(w.message) for w in caught]
+
+    assert not [m for m in resume_warnings() if "data" in m]
+    assert any("data.seed=7 is ignored on resume" in m for m in resume_warnings(seed=7))
+    docs = list(stdlib_documents(200_000))  # the data_dir fixture's documents
+    other = prepare_data(docs[: len(docs) // 2 + 1], tmp_path / "other", vocab_size=512, source="stdlib-test")
+    got = resume_warnings(path=str(other))
+    assert any("windows of data.seq_len" in m and "re-prepared" in m for m in got), got

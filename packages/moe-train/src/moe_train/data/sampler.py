@@ -46,7 +46,9 @@ class WindowSampler:
         return arr[:, :-1].contiguous(), arr[:, 1:].contiguous()
 
     def state_dict(self) -> dict:
-        return {"samples_seen": self.samples_seen, "seed": self.seed, "seq_len": self.seq_len}
+        # num_windows: which data the position counts in (a resume on other data is warned about)
+        return {"samples_seen": self.samples_seen, "seed": self.seed, "seq_len": self.seq_len,
+                "num_windows": self.num_windows}
 
     def load_state_dict(self, state: dict) -> None:
         if state["seq_len"] != self.seq_len:

@@ -115,6 +115,23 @@ def eval_set_change(saved: dict[str, Any], cfg: Config, split_windows: int, step
             f"set train.eval_windows={before} to keep the old eval set")
 
 
+def train_data_change(saved_sampler: dict[str, Any], num_windows: int, data_seed: int) -> str | None:
+    """A one-line warning when a resume continues the checkpoint's sample order on other training data
+    (another number of windows: data.path changed or the folder was re-prepared) or ignores this run's
+    data.seed (the checkpoint's seed keeps the order); None when it continues as the writer would have.
+    Checkpoints of moe-train <= 0.5 did not store the window count: only the seed is compared."""
+    notes = []
+    before = saved_sampler.get("num_windows")
+    if before is not None and int(before) != num_windows:
+        notes.append(f"the training data has {num_windows} windows of data.seq_len, the run that wrote the "
+                     f"checkpoint had {before} (data.path changed or re-prepared): sample "
+                     f"{saved_sampler.get('samples_seen')} onwards is drawn from this data, not the old order")
+    if int(saved_sampler.get("seed", data_seed)) != data_seed:
+        notes.append(f"data.seed={data_seed} is ignored on resume: the checkpoint's sampler seed "
+                     f"{saved_sampler['seed']} keeps the sample order (start a new train.run_dir for another order)")
+    return "; ".join(notes) or None
+
+
 def check_not_an_import(run_dir: str | Path) -> None:
     """An `import-hf` output holds weights the trainer does not start from (yet): training there
     would silently begin from a random init, so it is refused."""

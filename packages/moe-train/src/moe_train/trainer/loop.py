@@ -172,7 +172,10 @@ class Trainer:
         meta = ckpt.load(path, self.runtime, self.model)
         self.step = int(meta["step"])
         self.skipped_steps = int(meta["skipped_steps"])
+        data_change = ckpt.train_data_change(meta["sampler"], self.sampler.num_windows, self.cfg.data.seed)
         self.sampler.load_state_dict(meta["sampler"])
+        if data_change and self.is_main:
+            warnings.warn(data_change, stacklevel=2)
         if meta["layout"]["world_size"] == self.runtime.world_size:
             restore_rng_state(meta["rng"])  # another layout draws its own random streams
         if self.is_main and self.cfg.train.eval_interval > 0:
