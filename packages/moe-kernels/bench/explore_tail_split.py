@@ -42,6 +42,20 @@ def median_ms(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
+def timed_row(fns, rounds, flops, row):
+    """row + {method: ms, TFLOP/s, samples} with the methods timed in interleaved rounds; printed."""
+    times = {m: [] for m in fns}
+    for _ in range(rounds):
+        for m, fn in fns.items():
+            times[m].append(median_ms(fn))
+    for m, ts in times.items():
+        ms = sorted(ts)[len(ts) // 2]
+        row[m] = dict(ms=ms, tflops=flops / ms / 1e9, times_ms=ts)
+    print(f"{row['shape']} E={row['E']} {row['gemm']:>7}: " + "  ".join(f"{m} {row[m]['tflops']:5.0f}" for m in fns)
+          + f" TFLOP/s   (split rel err {row['rel_err_split']:.1e})", flush=True)
+    return row
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="b,a")
@@ -87,19 +101,9 @@ def main():
             a_split = a[perm]
             got = torch.cat([torch._grouped_mm(a_split[:n_full], w, offs=o_full), torch._grouped_mm(a_split[n_full:], w, offs=o_tail)])
             err = float((got.float() - ref[perm].float()).norm() / ref.float().norm())
-            times = {m: [] for m in fns}
-            for _ in range(args.rounds):
-                for m, fn in fns.items():
-                    times[m].append(median_ms(fn))
-            flops = 2 * n * width * w.shape[2]
-            row = dict(shape=name, E=E, gemm=gname, rows=n, padded_m_tiles=int(((counts + 127) // 128).sum()),
-                       m_tiles_needed=-(-n // 128), rel_err_split=err)
-            for m, ts in times.items():
-                ms = sorted(ts)[len(ts) // 2]
-                row[m] = dict(ms=ms, tflops=flops / ms / 1e9, times_ms=ts)
-            rows.append(row)
-            print(f"{name} E={E} {gname:>7}: single {row['single']['tflops']:5.0f}  split {row['split']['tflops']:5.0f}  "
-                  f"balanced {row['balanced']['tflops']:5.0f} TFLOP/s   (split rel err {err:.1e})", flush=True)
+            rows.append(timed_row(fns, args.rounds, 2 * n * width * w.shape[2], dict(
+                shape=name, E=E, gemm=gname, rows=n, padded_m_tiles=int(((counts + 127) // 128).sum()),
+                m_tiles_needed=-(-n // 128), rel_err_split=err)))
         # wgrad over rows: the split layout adds the two partial gradients
         for gname, (left, right) in {"wgrad2": (h, d), "wgrad1": (d, 2 * h)}.items():
             a = torch.randn(n, left, device="cuda", generator=g).bfloat16()
@@ -116,18 +120,8 @@ def main():
             got = torch._grouped_mm(a_s[:n_full].t(), b_s[:n_full], offs=o_full) + torch._grouped_mm(
                 a_s[n_full:].t(), b_s[n_full:], offs=o_tail)
             err = float((got.float() - want.float()).norm() / want.float().norm())
-            times = {m: [] for m in fns}
-            for _ in range(args.rounds):
-                for m, fn in fns.items():
-                    times[m].append(median_ms(fn))
-            flops = 2 * n * left * right
-            row = dict(shape=name, E=E, gemm=gname, rows=n, rel_err_split=err)
-            for m, ts in times.items():
-                ms = sorted(ts)[len(ts) // 2]
-                row[m] = dict(ms=ms, tflops=flops / ms / 1e9, times_ms=ts)
-            rows.append(row)
-            print(f"{name} E={E} {gname:>7}: single {row['single']['tflops']:5.0f}  split {row['split']['tflops']:5.0f}  "
-                  f"balanced {row['balanced']['tflops']:5.0f} TFLOP/s   (split rel err {err:.1e})", flush=True)
+            rows.append(timed_row(fns, args.rounds, 2 * n * left * right,
+                                  dict(shape=name, E=E, gemm=gname, rows=n, rel_err_split=err)))
         del w1, w2
         torch.cuda.empty_cache()
     if args.out:
