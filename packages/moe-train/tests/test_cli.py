@@ -64,6 +64,20 @@ def test_prepare_data_command(tmp_path):
     assert json.loads((tmp_path / "d" / "meta.json").read_text())["vocab_size"] <= 300
 
 
+@pytest.mark.parametrize("extra,named", [(["--vocab-size", "300", "--tokenizer", "TOK"], "--vocab-size=300"),
+                                         (["--max-bytes", "1000"], "--max-bytes=1000")])
+def test_prepare_data_refuses_an_option_it_would_ignore(tmp_path, capsys, extra, named):
+    from moe_train.cli import main
+
+    (tmp_path / "a.txt").write_text("hello world. " * 200)
+    tok = tmp_path / "tokenizer.json"
+    args = [a if a != "TOK" else str(tok) for a in extra]
+    assert main(["prepare-data", str(tmp_path / "a.txt"), "--out", str(tmp_path / "d"), *args]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "\n" not in err.strip()
+    assert not (tmp_path / "d").exists()
+
+
 def test_inspect_lists_tensors_and_layout(tmp_path, data_dir, make_config, capsys):
     from moe_train.trainer.loop import Trainer
 

@@ -17,6 +17,10 @@ from moe_train.config_io import build_config, parse_overrides
 from moe_train.trainer.errors import TrainingError
 
 
+PREPARE_VOCAB_SIZE = 4096  # prepare-data's defaults
+PREPARE_MAX_BYTES = 4_000_000
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-train", description="Train sparse MoE language models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -46,9 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("prepare-data", help="tokenize text files into a data folder")
     s.add_argument("inputs", nargs="*", help="text files or folders (default: the Python standard library)")
     s.add_argument("--out", required=True)
-    s.add_argument("--vocab-size", type=int, default=4096)
+    s.add_argument("--vocab-size", type=int, default=None, help=f"of the BPE trained here (default {PREPARE_VOCAB_SIZE})")
     s.add_argument("--tokenizer", default=None, help="an existing tokenizer.json instead of training a BPE")
-    s.add_argument("--max-bytes", type=int, default=4_000_000, help="for the default corpus")
+    s.add_argument("--max-bytes", type=int, default=None,
+                   help=f"how much of the default corpus to read, when no inputs are given (default {PREPARE_MAX_BYTES})")
     return p
 
 
@@ -83,11 +88,20 @@ def _cmd_bench(cfg, args) -> None:
 def _cmd_prepare(args) -> None:
     from moe_train.data import prepare_data, stdlib_documents, text_file_documents
 
+    # options that would be ignored are refused, so nobody believes they took effect
+    if args.tokenizer is not None and args.vocab_size is not None:
+        raise ConfigError(f"--vocab-size={args.vocab_size} with --tokenizer={args.tokenizer}: an existing tokenizer "
+                          "keeps its own vocabulary; pass one of the two")
+    if args.inputs and args.max_bytes is not None:
+        raise ConfigError(f"--max-bytes={args.max_bytes} applies to the default corpus only, and inputs were given "
+                          f"({len(args.inputs)}); drop one of the two")
     if args.inputs:
         docs, source = list(text_file_documents(args.inputs)), ",".join(args.inputs)
     else:
-        docs, source = list(stdlib_documents(args.max_bytes)), "python-stdlib"
-    out = prepare_data(docs, args.out, vocab_size=args.vocab_size, tokenizer_path=args.tokenizer, source=source)
+        max_bytes = PREPARE_MAX_BYTES if args.max_bytes is None else args.max_bytes
+        docs, source = list(stdlib_documents(max_bytes)), "python-stdlib"
+    vocab_size = PREPARE_VOCAB_SIZE if args.vocab_size is None else args.vocab_size
+    out = prepare_data(docs, args.out, vocab_size=vocab_size, tokenizer_path=args.tokenizer, source=source)
     print(f"wrote {out}")
 
 
