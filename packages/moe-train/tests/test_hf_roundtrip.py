@@ -201,3 +201,24 @@ def test_an_import_output_with_a_damaged_model_file_is_an_hf_error_on_export(tmp
     (tmp_path / "ours" / "model.safetensors").write_bytes(b"\xff" * 64)
     with pytest.raises(HFConversionError, match=r"ours/model.safetensors is not a readable safetensors file"):
         export_hf(tmp_path / "ours", tmp_path / "again", dtype="fp32")
+
+
+def test_import_never_writes_into_the_hf_folder_it_reads_nor_over_foreign_files(tmp_path):
+    hf = export_hf(make_model(**VARIANTS["llama"]), tmp_path / "hf", dtype="fp32").folder
+    before = {p.name: p.read_bytes() for p in hf.iterdir() if p.is_file()}
+    with pytest.raises(HFConversionError, match="is the Hugging Face folder being imported"):
+        import_hf(hf, hf)
+    assert {p.name: p.read_bytes() for p in hf.iterdir() if p.is_file()} == before
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(HFConversionError, match=r"holds \['notes.txt'\]"):
+        import_hf(hf, other)
+    assert (other / "config.json").read_text() == "{}"
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(HFConversionError, match="is a file"):
+        import_hf(hf, tmp_path / "afile")
+    import_hf(hf, tmp_path / "ours")
+    import_hf(hf, tmp_path / "ours")  # over an earlier import: allowed
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == sorted(hf_bridge.IMPORT_FILES)

@@ -1,4 +1,4 @@
-"""The `moe-train` command line: train, prepare-data, info, bench.
+"""The `moe-train` command line: train, info, bench, export-hf, import-hf, inspect, prepare-data.
 
 Config errors and data errors exit with status 2 and one line naming the field and what was expected.
 """
@@ -14,6 +14,7 @@ import warnings
 from moe_ckpt import CheckpointError
 from moe_train.config import ConfigError
 from moe_train.config_io import build_config, parse_overrides
+from moe_train.presets import PRESETS
 from moe_train.trainer.errors import TrainingError
 
 
@@ -21,39 +22,58 @@ PREPARE_VOCAB_SIZE = 4096  # prepare-data's defaults
 PREPARE_MAX_BYTES = 4_000_000
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moe-train", description="Train sparse MoE language models.")
-    sub = p.add_subparsers(dest="command", required=True)
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors as one line, like ours (argparse prints its usage above them)."""
+
+    commands: tuple[str, ...] = ()
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+OVERRIDES_HELP = """\
+Any config field is set as --section.field=value, e.g.
+  --model.num_experts=16 --train.steps=500 --model.router.top_k=4
+(`moe-train info` prints them all). Shorthands:
+  --resume, --no-resume, --run-dir DIR, --save-interval N{steps}"""
+
+
+def _parser() -> _Parser:
+    p = _Parser(prog="moe-train", description="Train sparse MoE language models.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_ in (("train", "train a model (no arguments: the embedded default)"),
                         ("info", "parameter counts, FLOPs per token and the resolved config"),
                         ("bench", "N training steps on synthetic tokens, reported as JSON")):
-        s = sub.add_parser(name, help=help_)
-        s.add_argument("--preset", default=None, help="named preset (default: tiny)")
+        epilog = OVERRIDES_HELP.format(steps="" if name == "bench" else ", --steps N")
+        s = sub.add_parser(name, help=help_, description=help_, epilog=epilog,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        s.add_argument("--preset", default=None, help=f"named preset: {', '.join(PRESETS)} (default: tiny)")
         s.add_argument("--config", default=None, help="YAML file of overrides")
         if name == "bench":
-            s.add_argument("--steps", type=int, default=5)
-            s.add_argument("--warmup", type=int, default=2)
+            s.add_argument("--steps", type=int, default=5, help="measured steps (default 5)")
+            s.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (default 2)")
             s.add_argument("--out", default=None, help="also write the JSON here")
     s = sub.add_parser("export-hf", help="export a checkpoint to a Hugging Face folder that stock transformers loads")
     s.add_argument("checkpoint", help="a run folder (its latest checkpoint) or a checkpoint folder")
-    s.add_argument("out")
-    s.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    s.add_argument("out", help="the Hugging Face folder to write (new, or an earlier export)")
+    s.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="of the exported weights (default bf16)")
     s.add_argument("--push-to-hub", default=None, metavar="REPO", help="also upload the folder to this Hub repo")
     s.add_argument("--allow-benchmark-routing", action="store_true",
                    help="export a random/uniform-routed model's router as a learned one")
     s = sub.add_parser("import-hf", help="convert a Hugging Face folder to our config.json and our-named model.safetensors "
                            "(export-hf and moe_ckpt.hf read it; training does not start from it yet)")
-    s.add_argument("folder")
-    s.add_argument("out")
+    s.add_argument("folder", help="a Hugging Face model folder (config.json and safetensors)")
+    s.add_argument("out", help="the folder to write config.json, model.safetensors and hf_extra.json into")
     s = sub.add_parser("inspect", help="list a checkpoint's tensors, shapes and the layout that wrote it")
     s.add_argument("checkpoint", help="a checkpoint folder, a run's checkpoints/ folder or a run folder")
     s = sub.add_parser("prepare-data", help="tokenize text files into a data folder")
     s.add_argument("inputs", nargs="*", help="text files or folders (default: the Python standard library)")
-    s.add_argument("--out", required=True)
+    s.add_argument("--out", required=True, help="the data folder to write (an existing one is replaced)")
     s.add_argument("--vocab-size", type=int, default=None, help=f"of the BPE trained here (default {PREPARE_VOCAB_SIZE})")
     s.add_argument("--tokenizer", default=None, help="an existing tokenizer.json instead of training a BPE")
     s.add_argument("--max-bytes", type=int, default=None,
                    help=f"how much of the default corpus to read, when no inputs are given (default {PREPARE_MAX_BYTES})")
+    p.commands = tuple(sub.choices)
     return p
 
 
@@ -77,6 +97,12 @@ def _cmd_info(cfg) -> None:
 def _cmd_bench(cfg, args) -> None:
     from moe_train.bench import run_bench
 
+    if args.out:  # found out before the run, not after it
+        out = os.path.abspath(args.out)
+        if os.path.isdir(out):
+            raise ConfigError(f"bench --out={args.out}: is a folder; expected a file path to write the JSON to")
+        if not os.path.isdir(os.path.dirname(out)):
+            raise ConfigError(f"bench --out={args.out}: its folder {os.path.dirname(out)!r} does not exist")
     result = run_bench(cfg, args.steps, args.warmup)
     text = json.dumps(result, indent=2)
     print(text)
@@ -92,6 +118,8 @@ def _cmd_prepare(args) -> None:
     if args.tokenizer is not None and args.vocab_size is not None:
         raise ConfigError(f"--vocab-size={args.vocab_size} with --tokenizer={args.tokenizer}: an existing tokenizer "
                           "keeps its own vocabulary; pass one of the two")
+    if args.max_bytes is not None and args.max_bytes < 1:
+        raise ConfigError(f"--max-bytes={args.max_bytes}: expected a positive number of bytes")
     if args.inputs and args.max_bytes is not None:
         raise ConfigError(f"--max-bytes={args.max_bytes} applies to the default corpus only, and inputs were given "
                           f"({len(args.inputs)}); drop one of the two")
@@ -121,7 +149,8 @@ def _cmd_inspect(args) -> None:
 
 
 ALIASES = {"--resume": "--train.resume=true", "--no-resume": "--train.resume=false"}
-SHORT_KEYS = {"--save-interval": "--train.save_interval", "--steps": "--train.steps", "--run-dir": "--train.run_dir"}
+SHORT_KEYS = {"--save-interval": "--train.save_interval", "--steps": "--train.steps", "--run-dir": "--train.run_dir",
+              "--resume": "--train.resume"}  # --resume=false as --train.resume=false
 
 
 def expand_aliases(rest: list[str]) -> list[str]:
@@ -163,7 +192,10 @@ _default_show_warning = warnings.showwarning
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args, rest = _parser().parse_known_args(argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.error(f"expected a command: one of {', '.join(parser.commands)}")
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning
         try:
@@ -173,19 +205,24 @@ def main(argv: list[str] | None = None) -> int:
             return 0
 
 
+def _refuse_unknown(command: str, rest: list[str]) -> None:
+    if rest:
+        raise ConfigError(f"unknown arguments {rest}: {command} takes only the options `moe-train {command} --help` "
+                          "lists (config overrides apply to train, info and bench)")
+
+
 def _run(args, rest) -> int:
     try:
         if args.command == "inspect":
+            _refuse_unknown(args.command, rest)
             _cmd_inspect(args)
             return 0
         if args.command in ("export-hf", "import-hf"):
-            if rest:
-                raise ConfigError(f"unknown arguments {rest}")
+            _refuse_unknown(args.command, rest)
             _cmd_hf(args)
             return 0
         if args.command == "prepare-data":
-            if rest:
-                raise ConfigError(f"unknown arguments {rest}")
+            _refuse_unknown(args.command, rest)
             _cmd_prepare(args)
             return 0
         cfg = build_config(args.preset, args.config, parse_overrides(expand_aliases(rest)))

@@ -202,6 +202,27 @@ def push_folder(folder: str | Path, repo_id: str, *, private: bool = True) -> No
                       commit_message="Upload model exported by moe-train")
 
 
+IMPORT_FILES = ("model.safetensors", "config.json", HF_EXTRA_FILE)  # what import_hf writes into out_dir
+
+
+def _check_import_out(folder: Path, out: Path) -> None:
+    """import_hf writes a new folder or over an earlier import (which holds HF_EXTRA_FILE): never into the
+    Hugging Face folder it reads, whose config.json and model.safetensors ours would replace, and never over
+    files it did not write. Checked before any tensor is read."""
+    if out.exists() and not out.is_dir():
+        raise HFConversionError(f"out_dir={str(out)!r} is a file; expected a folder (new, or an earlier import-hf output)")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if folder.is_dir() and out.resolve() == folder.resolve():
+        raise HFConversionError(f"out_dir={str(out)!r} is the Hugging Face folder being imported: its config.json and "
+                                "model.safetensors would be replaced by ours; choose another out_dir")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in IMPORT_FILES and ".tmp-" not in p.name)
+    if foreign or not (out / HF_EXTRA_FILE).is_file():
+        what = f"holds {foreign[:5]}, which import-hf does not write" if foreign else f"has no {HF_EXTRA_FILE}"
+        raise HFConversionError(f"out_dir={str(out)!r} {what}: it is not an earlier import-hf output, and importing "
+                                "would overwrite its config.json / model.safetensors; choose a new or empty folder")
+
+
 def import_hf(
     folder: str | Path, out_dir: str | Path | None = None, *, base: Config | None = None
 ) -> tuple[Config, dict[str, torch.Tensor]]:
@@ -210,6 +231,8 @@ def import_hf(
     base: the Config whose data / train / parallel sections (and training-only model fields) are kept.
     out_dir: also write model.safetensors + config.json (+ hf_extra.json), a checkpoint export_hf reads.
     """
+    if out_dir is not None:
+        _check_import_out(Path(folder), Path(out_dir))
     hf = open_hf_folder(folder)
     merged = (base or Config()).to_dict()
     router = {**merged["model"]["router"], **hf.model_config["router"]} if "router" in hf.model_config else None
