@@ -46,7 +46,7 @@ def test_argparse_errors_are_one_line_with_status_2(args, message, capsys):
     (["info", "--model.router=3"], "model.router=3: expected a mapping of its fields"),
     (["info", "--config", "missing.yaml"], "config file 'missing.yaml' does not exist"),
     (["info", "--config", "list.yaml"], "expected a mapping at the top level"),
-    (["info", "--config", "folder"], "config file 'folder'"),
+    (["info", "--config", "folder"], "config file 'folder' is a folder: expected a YAML file"),
     (["info", "--preset", "nope"], "preset='nope': expected one of tiny,"),
     (["bench", "--steps", "0"], "bench --steps=0: expected a positive integer"),
     (["bench", "--steps", "-1"], "bench --steps=-1: expected a positive integer"),
@@ -140,3 +140,11 @@ def test_an_override_to_a_command_without_config_says_where_overrides_apply(comm
     assert "unknown arguments ['--model.num_experts=3']" in line
     assert "config overrides apply to train, info and bench" in line
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_dir_that_is_a_file_is_one_line_naming_the_field(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    assert main(["train", f"--train.run_dir={tmp_path / 'afile'}", "--train.steps=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "train.run_dir=" in err and "is a file: expected a folder" in err and "\n" not in err
+    assert (tmp_path / "afile").read_text() == "x"

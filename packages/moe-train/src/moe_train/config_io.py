@@ -236,7 +236,7 @@ def read_override(dotted: str, text: str) -> Any:
 def load_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist")
+        raise ConfigError(f"config file {str(p)!r} " + ("is a folder: expected a YAML file" if p.is_dir() else "does not exist"))
     where = f"config file {str(p)!r}"
     try:
         data = _read_yaml(p.read_text(encoding="utf-8"), "", where) or {}

@@ -40,6 +40,8 @@ class Trainer:
         train() ends, or here when construction fails after it exists (process groups, hooks)."""
         self.cfg = validate(cfg)
         t = cfg.train
+        if Path(t.run_dir).exists() and not Path(t.run_dir).is_dir():
+            raise ConfigError(f"train.run_dir={t.run_dir!r} is a file: expected a folder (or a path to create one)")
         if t.threads > 0:
             torch.set_num_threads(t.threads)
         self.runtime = runtime or make_runtime(cfg, pick_device(t.device))
