@@ -203,12 +203,17 @@ def parity_cases(rank: int) -> dict:
     return res
 
 
-@pytest.fixture(scope="module")
-def parity(tmp_path_factory):
-    results = _spawn("parity_cases", tmp_path_factory.mktemp("a2a_parity"))
+def _spawn_cases(case_fn: str, tmp_path_factory) -> list[dict]:
+    """_spawn, with a case function that raised on a rank reported with that rank's traceback."""
+    results = _spawn(case_fn, tmp_path_factory.mktemp(case_fn))
     for r, res in enumerate(results):
         assert "error" not in res, f"rank {r}:\n{res['traceback']}"
     return results
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory):
+    return _spawn_cases("parity_cases", tmp_path_factory)
 
 
 @pytest.mark.parametrize(
@@ -295,10 +300,7 @@ def bad_input_cases(rank: int) -> dict:
 
 @pytest.fixture(scope="module")
 def bad_inputs(tmp_path_factory):
-    results = _spawn("bad_input_cases", tmp_path_factory.mktemp("a2a_bad"))
-    for r, res in enumerate(results):
-        assert "error" not in res, f"rank {r}:\n{res['traceback']}"
-    return results
+    return _spawn_cases("bad_input_cases", tmp_path_factory)
 
 
 @pytest.mark.parametrize(
