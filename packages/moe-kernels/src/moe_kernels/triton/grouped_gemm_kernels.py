@@ -316,13 +316,14 @@ def grouped_gemm_launch(
         cfg = dict(cfg)
         bm, bn, bk, tma = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("tma") and tma_ok
         ws = cfg.pop("ws", 0)
+        progs = cfg.pop("progs", 1)  # persistent programs per SM (2: one's epilogue overlaps the other's loads)
         a_desc = _descriptor(a, [bm, bk]) if tma and gather is None else None
         # the SwiGLU epilogue reads B's up half at column H: a tensor-descriptor box must start
         # 16-byte aligned there (an unaligned H faulted on the H200)
         b_tma = tma and (epilogue != 1 or (swiglu_h * b.element_size()) % 16 == 0)
         b_desc, b_nk = _b_descriptor(b, bk, bn) if b_tma else (None, False)
         upper = (triton.cdiv(n_rows, bm) + E) * triton.cdiv(out_cols, bn)
-        grid = (max(1, min(sms, upper)),)
+        grid = (max(1, min(progs * sms, upper)),)
         _grouped_gemm_kernel[grid](
             a, a_desc, b, b_desc, c, aux, offsets, gather_t, E, K, out_cols, swiglu_h,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
