@@ -20,6 +20,7 @@ from moe_train.trainer import checkpoint as ckpt
 from moe_train.trainer.data_setup import resolve_data_dir
 from moe_train.trainer.metrics import MetricsLog, peak_memory_gib, router_health
 from moe_train.trainer.mfu import peak_tflops
+from moe_train.trainer.run_lock import RunFolderBusyError, RunFolderLock
 from moe_train.trainer.runtime import Runtime
 from moe_train.trainer.launch import make_runtime
 from moe_train.trainer.schedule import lr_at
@@ -45,6 +46,7 @@ class Trainer:
         if t.threads > 0:
             torch.set_num_threads(t.threads)
         self.runtime = runtime or make_runtime(cfg, pick_device(t.device))
+        self.run_lock: RunFolderLock | None = None
         try:
             rt = self.runtime
             self.device = rt.device
@@ -77,9 +79,26 @@ class Trainer:
             self.async_saver = AsyncCheckpointer() if t.async_save else None
             # the background writer's barrier must not interleave with training collectives
             self.save_barrier = rt.background_barrier() if t.async_save else None
+            # last: a run refused for its data or model leaves no run folder behind
+            self._lock_run_dir()
         except BaseException as e:
             self._close_runtime(e)
             raise
+
+    def _lock_run_dir(self) -> None:
+        """Rank 0 takes the run folder's lock (one job per run folder); every rank raises if it is held."""
+        busy: RunFolderBusyError | None = None
+        if self.is_main:
+            try:
+                self.run_lock = RunFolderLock(self.cfg.train.run_dir)
+            except RunFolderBusyError as e:
+                busy = e
+        flag = self.runtime.all_reduce_sum(torch.tensor([float(busy is not None)], device=self.device))
+        if busy is not None:
+            raise busy
+        if flag.item() > 0:
+            raise RunFolderBusyError(f"train.run_dir={self.cfg.train.run_dir!r} is in use by another job (rank 0 "
+                                     "could not lock it; its error names the job)")
 
     def _close_runtime(self, e: BaseException) -> None:
         """Close the runtime after `e` (the error to report): a failure to close becomes a note on e."""
@@ -87,6 +106,11 @@ class Trainer:
             self.runtime.close()
         except Exception as err:  # noqa: BLE001 - e is the error to report
             e.add_note(f"closing the runtime failed too: {type(err).__name__}: {err}")
+        self._release_run_dir()
+
+    def _release_run_dir(self) -> None:
+        if self.run_lock is not None:
+            self.run_lock.release()
 
     # -- pieces -----------------------------------------------------------------------------
     def _amp(self):
@@ -199,6 +223,7 @@ class Trainer:
             self._close_runtime(e)
             raise
         self.runtime.close()
+        self._release_run_dir()
         return summary
 
     def _train(self) -> dict[str, Any]:

@@ -1,0 +1,58 @@
+"""One job per run folder: rank 0 holds an exclusive lock on `<run_dir>/.lock` while the job runs.
+
+Two jobs training into one run folder would delete each other's in-flight checkpoint saves or,
+saving the same step, commit a checkpoint whose shard files the other job then overwrites (the
+ranks of a save share only a barrier and the file system, so moe-ckpt cannot tell its folder from
+another job's). The lock is an advisory `flock` on an open file: the kernel drops it when the
+holding process exits, however it exits, so a killed job never leaves a stale lock behind. The
+file itself stays (removing a lock file races with a job that has just opened it); it holds the
+host, pid and start time of the job that last took it, for the error message.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from pathlib import Path
+
+from moe_train.config import ConfigError
+
+LOCK_NAME = ".lock"
+
+
+class RunFolderBusyError(ConfigError):
+    """Another live job holds the run folder's lock."""
+
+
+class RunFolderLock:
+    """An exclusive lock on `run_dir`, taken at construction (the folder is created if missing);
+    RunFolderBusyError, naming the folder and the job that holds it, if another job does."""
+
+    def __init__(self, run_dir: str | Path):
+        import fcntl
+
+        self.path = Path(run_dir) / LOCK_NAME
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a+")  # noqa: SIM115 - held open for the job's life: the lock lives with it
+        try:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "a job that did not record itself"
+            self._file.close()
+            raise RunFolderBusyError(
+                f"train.run_dir={str(run_dir)!r} is in use by another job ({holder}): two jobs in one run folder "
+                "delete or overwrite each other's checkpoints; wait for it to finish, stop it, or give this run "
+                "another train.run_dir"
+            ) from None
+        self._file.seek(0)
+        self._file.truncate()
+        started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        self._file.write(f"host {socket.gethostname()}, pid {os.getpid()}, started {started}\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        """Drop the lock (closing the file drops it); idempotent."""
+        if not self._file.closed:
+            self._file.close()
