@@ -21,8 +21,10 @@ from moe_ckpt.errors import (
     ShapeMismatchError,
     TensorNotFoundError,
     UncoveredRegionError,
+    UnsupportedFormatVersionError,
 )
 from moe_ckpt.geometry import Box, FlatRange, Region, even_split, split_flat_buffer
+from moe_ckpt.index import FORMAT_VERSION
 from moe_ckpt.load import OpenCheckpoint, load_checkpoint, load_metadata, open_checkpoint, verify_checkpoint
 from moe_ckpt.rng import capture_rng_state, restore_rng_state
 from moe_ckpt.run_dir import apply_retention, find_latest, list_checkpoints, step_dir, step_of
@@ -38,6 +40,7 @@ __all__ = [
     "CorruptMetadataError",
     "CorruptShardError",
     "DtypeMismatchError",
+    "FORMAT_VERSION",
     "FlatRange",
     "IncompleteCheckpointError",
     "LayoutError",
@@ -52,6 +55,7 @@ __all__ = [
     "ShardSpec",
     "TensorNotFoundError",
     "UncoveredRegionError",
+    "UnsupportedFormatVersionError",
     "apply_retention",
     "capture_rng_state",
     "even_split",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 class CheckpointError(Exception):
     """Base class: the checkpoint (or the request against it) is not what was expected."""
@@ -9,6 +11,18 @@ class CheckpointError(Exception):
 
 class CorruptMetadataError(CheckpointError):
     """index.json or metadata.json is not the JSON the writer left (truncated, edited, damaged)."""
+
+
+class UnsupportedFormatVersionError(CheckpointError):
+    """The checkpoint's format version is newer than this moe-ckpt reads: it was written by a newer release."""
+
+    def __init__(self, path: str | Path, version: int, supported: int) -> None:
+        self.path, self.version, self.supported = Path(path), version, supported
+        super().__init__(f"checkpoint {self.path} has format version {version}; this moe-ckpt reads format "
+                         f"versions up to {supported}: it was written by a newer moe-ckpt, upgrade to read it")
+
+    def __reduce__(self):  # picklable with its fields (the message alone is not the constructor's arguments)
+        return type(self), (self.path, self.version, self.supported)
 
 
 class IncompleteCheckpointError(CheckpointError):

@@ -7,14 +7,18 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_ckpt.errors import CheckpointError, CorruptMetadataError, IncompleteCheckpointError, LayoutError
+from moe_ckpt.errors import CorruptMetadataError, IncompleteCheckpointError, LayoutError, UnsupportedFormatVersionError
 from moe_ckpt.geometry import Box, Region, as_boxes, check_region, describe, intersect, region_from_json
-from moe_ckpt.run_dir import INDEX, TMP_MARK
+from moe_ckpt.run_dir import INDEX, TMP_MARK, tmp_dir_for
 from moe_ckpt.shard_file import Checksum
 from moe_ckpt.spec import DTYPE_NAMES
 
 FORMAT = "moe-ckpt"
-VERSION = 1
+# The checkpoint format version: index.json's "version", the one place it is recorded. Bump it when a reader
+# of the previous version would misread a new checkpoint; a field that older readers can ignore does not
+# need a bump. moe-ckpt <= 0.5.0 wrote 1 (an index.json without the field is read as 1 too).
+FORMAT_VERSION = 1
+VERSION_KEY = "version"
 
 
 def shard_file_name(rank: int, world_size: int) -> str:
@@ -45,11 +49,12 @@ class Index:
     checksum_algorithm: str
     files: dict[str, dict]  # file name -> {"rank", "bytes", "checksum"}
     tensors: dict[str, TensorEntry]
+    format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict:
         return {
             "format": FORMAT,
-            "version": VERSION,
+            VERSION_KEY: self.format_version,
             "world_size": self.world_size,
             "checksum_algorithm": self.checksum_algorithm,
             "files": self.files,
@@ -61,11 +66,9 @@ class Index:
         }
 
     @staticmethod
-    def from_json(d: dict) -> Index:
-        """Parse and check index.json: ValueError naming the entry that is not what a save writes."""
-        _need(isinstance(d, dict), f"the top level is {type(d).__name__}, expected a JSON object")
-        if d.get("format") != FORMAT or d.get("version") != VERSION:
-            raise CheckpointError(f"index format {d.get('format')!r} v{d.get('version')!r} is not {FORMAT!r} v{VERSION}")
+    def from_json(d: dict, format_version: int = FORMAT_VERSION) -> Index:
+        """Parse and check the rest of index.json (after `check_format`): ValueError naming the entry that is
+        not what a save writes."""
         world, algorithm, files, tensors = (d.get(k) for k in ("world_size", "checksum_algorithm", "files", "tensors"))
         _need(_is_int(world) and world >= 1, f"world_size={world!r}, expected an integer >= 1")
         _need(algorithm in Checksum.ALGORITHMS,
@@ -81,7 +84,28 @@ class Index:
         _need(ranks == list(range(world)), f"'files' holds shard files of ranks {ranks}, expected one per rank "
                                            f"0..{world - 1} (world_size={world})")
         _need(isinstance(tensors, dict), f"'tensors' is {type(tensors).__name__}, expected an object")
-        return Index(world, algorithm, files, {name: _entry(name, t, files) for name, t in tensors.items()})
+        return Index(world, algorithm, files, {name: _entry(name, t, files) for name, t in tensors.items()},
+                     format_version)
+
+
+def check_format(d: object, where: Path) -> int:
+    """index.json's format version, checked before anything else in it: a newer format may lay out the
+    rest differently, so its reader is refused with the version rather than with a misreading."""
+    if not isinstance(d, dict):
+        raise CorruptMetadataError(f"{where} holds a JSON {type(d).__name__}, expected an object; "
+                                   "the checkpoint cannot be read")
+    if d.get("format") != FORMAT:
+        raise CorruptMetadataError(f"{where}: field 'format' is {d.get('format')!r}, expected {FORMAT!r}; "
+                                   "not a moe-ckpt index")
+    if VERSION_KEY not in d:
+        return 1  # moe-ckpt <= 0.5.0's layout
+    version = d[VERSION_KEY]
+    if not _is_int(version) or version < 1:
+        raise CorruptMetadataError(f"{where}: field {VERSION_KEY!r} (the checkpoint format version) is "
+                                   f"{json.dumps(version)}, expected an integer >= 1")
+    if version > FORMAT_VERSION:
+        raise UnsupportedFormatVersionError(where.parent, version, FORMAT_VERSION)
+    return version
 
 
 def _is_int(x: object) -> bool:
@@ -116,16 +140,28 @@ def read_index(path: Path) -> Index:
                                         f"it was never committed")
     try:
         with open(path / INDEX) as f:
-            return Index.from_json(json.load(f))
-    except CheckpointError as e:  # another format or version
-        raise CheckpointError(f"{path / INDEX}: {e}") from None
+            d = json.load(f)
+        version = check_format(d, path / INDEX)
+        return Index.from_json(d, version)
     except FileNotFoundError:
-        raise IncompleteCheckpointError(f"{path} has no {INDEX}: not a committed checkpoint") from None
+        raise IncompleteCheckpointError(_not_committed(path)) from None
     except (IsADirectoryError, NotADirectoryError) as e:
         raise CorruptMetadataError(f"{path / INDEX} is not a file ({type(e).__name__}); "
                                    "the checkpoint cannot be read") from None
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
         raise CorruptMetadataError(f"{path / INDEX} is damaged ({type(e).__name__}: {e}); the checkpoint cannot be read") from None
+
+
+def _not_committed(path: Path) -> str:
+    """Why `path` (without index.json) is no checkpoint; a killed save leaves only `<path>.tmp`."""
+    tmp = tmp_dir_for(path)
+    if tmp.is_dir() and not tmp.is_symlink():
+        return (f"{path} was never committed: {tmp.name} beside it is a save of it that is in progress or was "
+                "interrupted (the next save removes it); read an earlier checkpoint, or the run folder (its newest "
+                "committed one)")
+    if not path.exists():
+        return f"{path} does not exist: not a checkpoint"
+    return f"{path} has no {INDEX}: not a committed checkpoint"
 
 
 def build_index(manifests: list[dict], world_size: int, algorithm: str) -> Index:

@@ -94,7 +94,8 @@ def open_checkpoint(path: str | Path, *, verify: bool = True) -> OpenCheckpoint:
             for name in ckpt.names:
                 w = ckpt.read([LoadRequest(name)])[name]
 
-    index.json is read and checked here, once; each shard file is checked (size, checksum when verify,
+    index.json is read and checked here, once (its format version first: UnsupportedFormatVersionError for a
+    checkpoint of a newer moe-ckpt); each shard file is checked (size, checksum when verify,
     safetensors header against index.json) and opened on its first read, once, and held until close.
     """
     return OpenCheckpoint(resolve(path), verify)

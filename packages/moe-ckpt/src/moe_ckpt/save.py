@@ -30,7 +30,7 @@ from pathlib import Path
 
 from moe_ckpt.errors import CheckpointError
 from moe_ckpt.geometry import FlatRange, describe
-from moe_ckpt.index import VERSION, build_index, manifest_name, shard_file_name
+from moe_ckpt.index import build_index, manifest_name, shard_file_name
 from moe_ckpt.run_dir import (
     INDEX, METADATA, apply_retention, is_complete, remove_leftovers, tmp_dir_for, write_latest,
 )
@@ -151,8 +151,7 @@ def _commit(path: Path, tmp: Path, metadata: dict | None, world_size: int, algor
         manifests.append(json.loads(mpath.read_text()))
     index = build_index(manifests, world_size, algorithm)
     meta = dict(metadata or {})
-    meta["moe_ckpt"] = {
-        "format_version": VERSION,
+    meta["moe_ckpt"] = {  # about the writer, for people; the format version is index.json's alone
         "writer_world_size": world_size,
         "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "checksum_algorithm": algorithm,

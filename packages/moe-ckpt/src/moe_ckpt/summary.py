@@ -12,7 +12,8 @@ from moe_ckpt.spec import dtype_from_name
 
 
 def inspect_checkpoint(path: str | Path) -> dict:
-    """{"path", "world_size", "files", "tensors": {name: {shape, dtype, pieces}}, "metadata", "total_bytes"}.
+    """{"path", "format_version", "world_size", "files", "tensors": {name: {shape, dtype, pieces}}, "metadata",
+    "total_bytes"}.
 
     Reads index.json and metadata.json only; no tensor data.
     """
@@ -24,8 +25,8 @@ def inspect_checkpoint(path: str | Path) -> dict:
         for name, t in index.tensors.items()
     }
     total = sum(math.prod(t.shape) * dtype_from_name(t.dtype).itemsize for t in index.tensors.values())
-    return {"path": str(path), "world_size": index.world_size, "files": index.files, "tensors": tensors,
-            "metadata": load_metadata(path), "total_bytes": total}
+    return {"path": str(path), "format_version": index.format_version, "world_size": index.world_size,
+            "files": index.files, "tensors": tensors, "metadata": load_metadata(path), "total_bytes": total}
 
 
 def format_checkpoint(path: str | Path) -> str:
@@ -33,7 +34,8 @@ def format_checkpoint(path: str | Path) -> str:
     info = inspect_checkpoint(path)
     meta = info["metadata"]
     lines = [f"checkpoint {info['path']}: {len(info['tensors'])} tensors, "
-             f"{info['total_bytes'] / 1e9:.3f} GB, written by {info['world_size']} ranks",
+             f"{info['total_bytes'] / 1e9:.3f} GB, written by {info['world_size']} ranks, "
+             f"format version {info['format_version']}",
              f"layout: {meta.get('layout', '(not recorded)')}",
              f"step: {meta.get('step', '(not recorded)')}"]
     width = max((len(n) for n in info["tensors"]), default=0)

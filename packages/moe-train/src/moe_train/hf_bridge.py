@@ -26,7 +26,8 @@ from safetensors.torch import save_file
 
 from moe_ckpt import LoadRequest, load_metadata, open_checkpoint
 from moe_ckpt.hf import (
-    ExportSummary, HFConversionError, TensorSource, export_hf_folder, open_hf_folder, open_safetensors, read_json_object,
+    ExportSummary, HFConversionError, TensorSource, choose_model_type, export_hf_folder, open_hf_folder, open_safetensors,
+    read_json_object,
 )
 from moe_train.config import Config, ConfigError
 from moe_train.config_io import config_from_dict, export_config_from_dict
@@ -164,8 +165,9 @@ def export_hf(
 ) -> ExportSummary:
     """Export a Transformer, a checkpoint dir or a run dir to a Hugging Face folder; optionally upload it.
 
-    dtype: bf16 | fp32. tokenizer_json / extra_config default to the data folder's tokenizer and eos id
-    and to the checkpoint's hf_extra.json (written by import_hf).
+    dtype: bf16 | fp32. tokenizer_json / extra_config default to the data folder's tokenizer and eos id,
+    max_position_embeddings to the checkpoint's data.seq_len, and to the checkpoint's hf_extra.json (written
+    by import_hf), which takes precedence.
     """
     extra: dict[str, Any] = {}
     with contextlib.ExitStack() as open_files:  # a checkpoint's files stay open until the export is written
@@ -175,7 +177,10 @@ def export_hf(
         else:
             cfg, tensors = open_files.enter_context(open_checkpoint_source(source))
             model_dict = cfg.to_dict()["model"]
-            data_tok, extra = _data_tokenizer(cfg)
+            choose_model_type(model_dict, allow_benchmark_routing)  # a refusal comes before the tokenizer warning
+            data_tok, data_extra = _data_tokenizer(cfg)
+            # The context the run trained at, not a length it never saw (tokenizer_config's model_max_length too).
+            extra = {"max_position_embeddings": cfg.data.seq_len, **data_extra}
             tokenizer_json = tokenizer_json or data_tok
             if tokenizer_json is None:
                 warnings.warn(

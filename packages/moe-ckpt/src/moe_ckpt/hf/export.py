@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import time
 import uuid
 import warnings
@@ -157,14 +158,20 @@ def _check_replaceable(final: Path) -> None:
 
 
 def _beside(final: Path, kind: str) -> Path:
-    """`.NAME.tmp-PID-XXXXXXXX` (the folder being written) or `.NAME.old-PID-XXXXXXXX` (the previous export,
-    moved aside): hidden, beside `final`, naming the process that owns it."""
-    return final.parent / f".{final.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    """`.NAME.tmp-HOST-PID-XXXXXXXX` (the folder being written) or `.NAME.old-HOST-PID-XXXXXXXX` (the previous
+    export, moved aside): hidden, beside `final`, naming the host and process that own it."""
+    return final.parent / f".{final.name}.{kind}-{_host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _host_tag() -> str:
+    """This host's name as `_beside` writes it: a pid means something only on the host that wrote it (on a
+    shared file system another host may run a live process with the same pid)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "unknown-host"
 
 
 def _leftover_pattern(final: Path) -> re.Pattern[str]:
-    """The names `_beside` makes for `final`, and those of moe-ckpt <= 0.4.1 (no pid)."""
-    return re.compile(rf"\.{re.escape(final.name)}\.(tmp|old)-(?:([1-9][0-9]*)-)?[0-9a-f]{{8}}")
+    """The names `_beside` makes for `final`, and those of moe-ckpt 0.5.0 (no host) and <= 0.4.1 (no pid)."""
+    return re.compile(rf"\.{re.escape(final.name)}\.(tmp|old)-(?:(?:([A-Za-z0-9._-]+)-)?([1-9][0-9]*)-)?[0-9a-f]{{8}}")
 
 
 def _running(pid: int) -> bool:
@@ -182,18 +189,28 @@ def _running(pid: int) -> bool:
 def _clean_leftovers(final: Path) -> None:
     """Remove what killed exports to `final` left beside it: `.NAME.tmp-*` folders (a partial export) and
     `.NAME.old-*` folders (the export before it, moved aside). Only real folders with exactly the names
-    `_beside` makes (or made without a pid, up to moe-ckpt 0.4.1), and only when the pid in the name is no
-    running process. When `final` is missing and an `.old-*` folder is there, the export was stopped between
-    its two renames: the previous export is renamed back to `final` (the newest one if several), with a
-    warning, so that it is kept if this export fails too and replaced like any previous export if it succeeds."""
+    `_beside` makes (or made without a host, moe-ckpt 0.5.0, or without a pid, up to 0.4.1), and only when
+    they were made on this host by a process that is not running; those of another host are left alone with
+    a warning (its export may be running: only that host can tell). When `final` is missing and an `.old-*`
+    folder is there, the export was stopped between its two renames: the previous export is renamed back to
+    `final` (the newest one if several), with a warning, so that it is kept if this export fails too and
+    replaced like any previous export if it succeeds."""
     if not final.parent.is_dir():
         return
-    pattern, tmp, old = _leftover_pattern(final), [], []
+    pattern, host, tmp, old, foreign = _leftover_pattern(final), _host_tag(), [], [], []
     for p in final.parent.iterdir():
         m = pattern.fullmatch(p.name)
-        if m is None or p.is_symlink() or not p.is_dir() or (m[2] is not None and _running(int(m[2]))):
+        if m is None or p.is_symlink() or not p.is_dir():
             continue
-        (tmp if m[1] == "tmp" else old).append(p)
+        if m[2] is not None and m[2] != host:
+            foreign.append(p.name)
+        elif m[3] is None or not _running(int(m[3])):
+            (tmp if m[1] == "tmp" else old).append(p)
+    if foreign:
+        warnings.warn(
+            f"export to {str(final)!r}: left {', '.join(sorted(foreign))} beside it alone: made by an export on "
+            f"another host (this is {host}), which may still be running; delete them once it is not",
+            UserWarning, stacklevel=3)
     if old and not os.path.lexists(final):
         keep = max(old, key=lambda p: p.stat().st_mtime)
         os.rename(keep, final)
@@ -263,7 +280,7 @@ def _write_shard(out: Path, tensors: dict[str, torch.Tensor], i: int, n: int) ->
 
 def _write_generation_config(out: Path, hf_config: dict[str, Any]) -> None:
     gen: dict[str, Any] = {"_from_model_config": True}
-    gen.update({k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf_config})
+    gen.update({k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf_config.get(k) is not None})
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
 
 

@@ -38,16 +38,49 @@ def _refuse(feature: str, nearest: str) -> HFConversionError:
     return HFConversionError(f"{feature}: no stock transformers class computes this exactly; nearest that exports: {nearest}")
 
 
+# Every field of moe-train's model config, by what the export does with it. A field not listed (one added
+# since) is refused: the export cannot tell whether the folder would have to compute it.
+MAPPED_FIELDS = frozenset({
+    "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "qk_norm", "rope_theta",
+    "norm_eps", "dense_hidden", "dense_layers", "num_experts", "expert_hidden", "shared_expert_hidden",
+    "tie_embeddings", "router",
+})
+UNCOMPUTED_FIELDS = frozenset({"init_std", "gemm_backend", "precision"})  # initialisation, kernels, training recipe
+ROUTER_FIELDS = frozenset({"gating", "top_k", "normalize_top_k", "routing", "expert_bias"})
+ROUTER_TRAINING_FIELDS = frozenset({"lb_loss_weight", "lb_loss_scope", "z_loss_weight", "expert_bias_rate"})
+
+
+def _check_known_fields(m: dict[str, Any]) -> None:
+    router = m.get("router") or {}
+    unknown = [(k, m[k]) for k in sorted(set(m) - MAPPED_FIELDS - UNCOMPUTED_FIELDS)]
+    unknown += [(f"router.{k}", router[k]) for k in sorted(set(router) - ROUTER_FIELDS - ROUTER_TRAINING_FIELDS)]
+    if unknown:
+        (name, value), names = unknown[0], ", ".join(n for n, _ in unknown)
+        raise HFConversionError(
+            f"model.{name}={value!r} is a field the Hugging Face export does not know, so it cannot tell whether the "
+            f"exported model would compute it ({len(unknown)} unknown in all: {names}); expected only the fields "
+            "moe_ckpt.hf.spec maps or lists as training-only: teach it the new field")
+
+
 def choose_model_type(m: dict[str, Any], allow_benchmark_routing: bool = False) -> str:
     """The HF model_type for our model config dict, or HFConversionError naming the feature."""
+    _check_known_fields(m)
     if m["num_experts"] == 0:
         return "qwen3" if m["qk_norm"] else "llama"
-    r = m["router"]
-    if r["routing"] != "learned" and not allow_benchmark_routing:
+    model_type = _moe_model_type(m)
+    # After the architecture checks: allowing benchmark routing would not make a refused model export.
+    routing = m["router"]["routing"]
+    if routing != "learned" and not allow_benchmark_routing:
         raise HFConversionError(
-            f"router.routing={r['routing']!r} is a benchmark mode (the router weights never chose the experts); "
-            "expected 'learned', or pass allow_benchmark_routing=True to export the router as a learned one"
+            f"router.routing={routing!r} is a benchmark mode (the router weights never chose the experts); "
+            "expected 'learned', or pass allow_benchmark_routing=True (moe-train export-hf --allow-benchmark-routing) "
+            "to export the router as a learned one"
         )
+    return model_type
+
+
+def _moe_model_type(m: dict[str, Any]) -> str:
+    r = m["router"]
     if r["gating"] == "sigmoid":
         dense = sorted(set(m["dense_layers"]))
         if dense != list(range(len(dense))):
@@ -86,9 +119,14 @@ def to_hf_config(m: dict[str, Any], model_type: str, dtype: str, extra: dict[str
         "num_attention_heads": m["num_heads"], "num_key_value_heads": m["num_kv_heads"], "head_dim": head_dim(m),
         "hidden_act": "silu", "rms_norm_eps": m["norm_eps"], "tie_word_embeddings": m["tie_embeddings"],
         "rope_parameters": {"rope_type": "default", "rope_theta": m["rope_theta"]}, "initializer_range": m["init_std"],
+        # transformers < 5 reads only the top-level key (and defaults it to 10000 without a word); 5 prefers
+        # rope_parameters: both are written, equal.
+        "rope_theta": m["rope_theta"],
         "intermediate_size": m["dense_hidden"], "attention_dropout": 0.0, "use_cache": True,
     }
-    c.update(DEFAULT_EXTRA)
+    # Token ids are written even when unknown (null): a missing key is the class default, which for Llama
+    # is bos 1 / eos 2 (ordinary tokens of our vocabularies, where generation would stop).
+    c.update({k: None for k in EXTRA_KEYS}, **DEFAULT_EXTRA)
     c.update({k: v for k, v in (extra or {}).items() if k in EXTRA_KEYS})
     if model_type == "llama":
         c.update(attention_bias=False, mlp_bias=False)
@@ -109,37 +147,53 @@ def to_hf_config(m: dict[str, Any], model_type: str, dtype: str, extra: dict[str
         c.update(num_experts=m["num_experts"], mlp_only_layers=dense, decoder_sparse_step=1, qkv_bias=False,
                  shared_expert_intermediate_size=m["shared_expert_hidden"], use_sliding_window=False)
     elif model_type == "glm4_moe":
-        c["rope_parameters"]["partial_rotary_factor"] = 1.0
+        # GLM-4-MoE rotates half of each head by default (0.5); transformers < 5 reads the top-level key only.
+        c["rope_parameters"]["partial_rotary_factor"] = c["partial_rotary_factor"] = 1.0
         c.update(n_routed_experts=m["num_experts"], n_shared_experts=m["shared_expert_hidden"] // m["expert_hidden"],
                  first_k_dense_replace=len(dense), n_group=1, topk_group=1, routed_scaling_factor=1.0,
                  use_qk_norm=m["qk_norm"], attention_bias=False, num_nextn_predict_layers=0)
     return c
 
 
-def _need(c: dict[str, Any], key: str, ok: Any, expected: Any) -> None:
+# transformers' class defaults for keys a config.json may leave out, where they are not moe-train's: a missing
+# key means what transformers makes of it (GLM-4-MoE rotates half of each head; Qwen2-MoE has q/k/v biases).
+CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "glm4_moe": {"partial_rotary_factor": 0.5, "rms_norm_eps": 1e-5},
+    "qwen2_moe": {"qkv_bias": True},
+}
+
+
+def _need(c: dict[str, Any], key: str, ok: Any, expected: Any, value: Any = None) -> None:
     if not ok:
-        raise HFConversionError(f"config.json {key}={c.get(key)!r}: expected {expected} (moe-train cannot represent this)")
+        value = c.get(key) if value is None else value
+        raise HFConversionError(f"config.json {key}={value!r}: expected {expected} (moe-train cannot represent this)")
 
 
 def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """config.json -> (our model fields, EXTRA_KEYS found); HFConversionError on anything we cannot represent."""
     mt = c.get("model_type")
     _need(c, "model_type", mt in ARCH, f"one of {', '.join(ARCH)}")
+    default = {"partial_rotary_factor": 1.0, "rms_norm_eps": 1e-6, **CLASS_DEFAULTS.get(mt, {})}
     _need(c, "hidden_act", c.get("hidden_act", "silu") == "silu", "'silu'")
     rope = dict(c.get("rope_parameters") or {})
+    if "rope_theta" in rope and c.get("rope_theta") is not None:  # transformers 5 reads the first, 4 the second
+        _need(c, "rope_theta", c["rope_theta"] == rope["rope_theta"],
+              f"the same as rope_parameters.rope_theta={rope['rope_theta']!r} (transformers 5 reads that, 4 this)")
     rope.setdefault("rope_theta", c.get("rope_theta", 10_000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    _need(c, "rope_parameters.rope_type", rope_type == "default" and not c.get("rope_scaling"), "'default' (no scaling)")
-    prf = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
-    _need(c, "partial_rotary_factor", prf == 1.0, "1.0 (moe-train rotates the whole head)")
+    scaling = c.get("rope_scaling")
+    _need(c, "rope_scaling" if scaling else "rope_parameters.rope_type", rope_type == "default" and not scaling,
+          "'default' (no scaling)", scaling or rope_type)
+    prf = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", default["partial_rotary_factor"]))
+    _need(c, "partial_rotary_factor", prf == 1.0, "1.0 (moe-train rotates the whole head)", prf)
     for key in ("attention_bias", "mlp_bias", "qkv_bias", "use_sliding_window"):
-        _need(c, key, not c.get(key, False), "false")
+        _need(c, key, not c.get(key, default.get(key, False)), "false", c.get(key, default.get(key)))
     d, heads = c["hidden_size"], c["num_attention_heads"]
     hd = c.get("head_dim") or d // heads
     m: dict[str, Any] = {
         "vocab_size": c["vocab_size"], "d_model": d, "num_layers": c["num_hidden_layers"], "num_heads": heads,
         "num_kv_heads": c.get("num_key_value_heads") or heads, "head_dim": None if hd * heads == d else hd,
-        "rope_theta": float(rope["rope_theta"]), "norm_eps": c.get("rms_norm_eps", 1e-6),
+        "rope_theta": float(rope["rope_theta"]), "norm_eps": c.get("rms_norm_eps", default["rms_norm_eps"]),
         "dense_hidden": c["intermediate_size"], "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
         "init_std": c.get("initializer_range", 0.02),
         "qk_norm": mt in ("qwen3", "qwen3_moe") or (mt == "glm4_moe" and bool(c.get("use_qk_norm", False))),
