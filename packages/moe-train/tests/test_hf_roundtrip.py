@@ -221,4 +221,5 @@ def test_import_never_writes_into_the_hf_folder_it_reads_nor_over_foreign_files(
         import_hf(hf, tmp_path / "afile")
     import_hf(hf, tmp_path / "ours")
     import_hf(hf, tmp_path / "ours")  # over an earlier import: allowed
-    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == sorted(hf_bridge.IMPORT_FILES)
+    # a folder without tokenizer.json gives an import without one
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == sorted(set(hf_bridge.IMPORT_FILES) - {"tokenizer.json"})

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -181,7 +182,9 @@ def export_hf(
             data_tok, data_extra = _data_tokenizer(cfg)
             # The context the run trained at, not a length it never saw (tokenizer_config's model_max_length too).
             extra = {"max_position_embeddings": cfg.data.seq_len, **data_extra}
-            tokenizer_json = tokenizer_json or data_tok
+            # an import-hf output carries the Hugging Face folder's own tokenizer beside its weights
+            own_tok = _resolve_checkpoint(Path(source)) / TOKENIZER_FILE
+            tokenizer_json = tokenizer_json or (own_tok if own_tok.is_file() else data_tok)
             if tokenizer_json is None:
                 warnings.warn(
                     f"export of {str(source)!r}: no tokenizer found for data.path={cfg.data.path!r} "
@@ -207,7 +210,9 @@ def push_folder(folder: str | Path, repo_id: str, *, private: bool = True) -> No
                       commit_message="Upload model exported by moe-train")
 
 
-IMPORT_FILES = ("model.safetensors", "config.json", HF_EXTRA_FILE)  # what import_hf writes into out_dir
+TOKENIZER_FILE = "tokenizer.json"
+# what import_hf writes into out_dir (tokenizer.json when the Hugging Face folder has one)
+IMPORT_FILES = ("model.safetensors", "config.json", HF_EXTRA_FILE, TOKENIZER_FILE)
 
 
 def _check_import_out(folder: Path, out: Path) -> None:
@@ -234,7 +239,8 @@ def import_hf(
     """A Hugging Face folder -> (Config, fp32 state dict by our names), checked tensor by tensor.
 
     base: the Config whose data / train / parallel sections (and training-only model fields) are kept.
-    out_dir: also write model.safetensors + config.json (+ hf_extra.json), a checkpoint export_hf reads.
+    out_dir: also write model.safetensors + config.json (+ hf_extra.json, and the folder's tokenizer.json if it has
+    one), a checkpoint export_hf reads: its export carries the same tokenizer.
     """
     if out_dir is not None:
         _check_import_out(Path(folder), Path(out_dir))
@@ -252,11 +258,17 @@ def import_hf(
         unique = {k: v for k, v in state.items() if not (k == "lm_head.weight" and cfg.model.tie_embeddings)}
         # Each file under a temporary name first: an interrupted import never leaves a truncated
         # model.safetensors (or a new config beside old weights) under the names export_hf reads.
-        tmp, names = f".tmp-{os.getpid()}", (HF_EXTRA_FILE, "config.json", "model.safetensors")
+        tmp, names = f".tmp-{os.getpid()}", [HF_EXTRA_FILE, "config.json", "model.safetensors"]
+        tokenizer = Path(folder) / TOKENIZER_FILE
         try:
+            if tokenizer.is_file():
+                shutil.copyfile(tokenizer, out / f"{TOKENIZER_FILE}{tmp}")
+                names.insert(0, TOKENIZER_FILE)
             save_file({k: v.contiguous() for k, v in unique.items()}, str(out / f"model.safetensors{tmp}"))
             (out / f"config.json{tmp}").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
             (out / f"{HF_EXTRA_FILE}{tmp}").write_text(json.dumps(hf.extra_config, indent=2) + "\n")
+            if not tokenizer.is_file():  # an earlier import's tokenizer belongs to another model
+                (out / TOKENIZER_FILE).unlink(missing_ok=True)
             for name in names:
                 os.replace(out / f"{name}{tmp}", out / name)
         finally:
