@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from moe_kernels.dispatch import DispatchResult, IdentityCodec, PayloadCodec
 from moe_kernels.permute import check_rows, combine, permute
-from moe_kernels.route_map import RouteMap
+from moe_kernels.route_map import RouteMap, positive_int
 
 # Header columns sent to every EP peer after the [E_local] counts (int64).
 _STATUS, _ROW_NUMEL, _DTYPE, _WIDTH = range(4)
@@ -99,8 +99,7 @@ class AllToAllDispatcher:
         self.group = group
         self.ep_size = dist.get_world_size(group)
         self.ep_rank = dist.get_rank(group)
-        if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
-            raise ValueError(f"num_experts={num_experts!r} must be a positive integer")
+        num_experts = positive_int("num_experts", num_experts)
         if num_experts % self.ep_size != 0:
             raise ValueError(f"num_experts={num_experts} is not divisible by ep={self.ep_size}")
         if not math.isfinite(capacity_factor) or capacity_factor < 0:

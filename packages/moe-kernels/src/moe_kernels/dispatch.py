@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from moe_kernels.permute import combine, permute
-from moe_kernels.route_map import RouteMap
+from moe_kernels.route_map import RouteMap, positive_int
 
 
 class PayloadCodec(Protocol):
@@ -72,7 +72,7 @@ class LocalDispatcher:
     """All experts on this device: dispatch is a permute, combine is the weighted sum."""
 
     def __init__(self, num_experts: int, codec: PayloadCodec | None = None):
-        self.num_local_experts = num_experts
+        self.num_local_experts = positive_int("num_experts", num_experts)
         self.codec = codec or IdentityCodec()
 
     def dispatch(self, x: torch.Tensor, route_map: RouteMap) -> DispatchResult:
@@ -84,4 +84,8 @@ class LocalDispatcher:
         return DispatchResult(rows, route_map.offsets, route_map, torch.zeros((), dtype=torch.int64, device=x.device))
 
     def combine(self, expert_out: torch.Tensor, result: DispatchResult, weights: torch.Tensor) -> torch.Tensor:
+        if not isinstance(result.context, RouteMap):
+            raise ValueError(
+                f"result.context is a {type(result.context).__name__}: pass the DispatchResult of this dispatcher's dispatch"
+            )
         return combine(expert_out, result.context, weights)

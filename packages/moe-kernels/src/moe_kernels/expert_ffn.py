@@ -15,7 +15,13 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from moe_kernels.grouped_gemm import GemmBackend, checked_offsets, grouped_gemm, torch_grouped_mm_supported
+from moe_kernels.grouped_gemm import (
+    GemmBackend,
+    checked_offsets,
+    grouped_gemm,
+    require_torch_grouped_mm,
+    torch_grouped_mm_supported,
+)
 from moe_kernels.permute import check_router_weights, check_rows, check_token_rows, combine, permute
 from moe_kernels.plan_search import search_plan
 from moe_kernels.route_map import RouteMap
@@ -51,7 +57,7 @@ def swiglu_experts(
     """
     check_rows("x_sorted", x_sorted, "N")
     _check_weights(x_sorted, w_gate_up, w_down)
-    offsets = checked_offsets(offsets, x_sorted, w_gate_up.shape[0])
+    offsets = checked_offsets(offsets, x_sorted.shape[0], x_sorted.device, w_gate_up.shape[0])
     plan = _plan(backend, x_sorted, w_gate_up, w_down, offsets)
     if plan is not None:
         from moe_kernels.triton.ffn_kernels import swiglu_ffn_sorted
@@ -81,15 +87,23 @@ def moe_ffn(
     if route_map.num_experts != w_gate_up.shape[0]:
         raise ValueError(f"the route map has {route_map.num_experts} experts but w_gate_up has {w_gate_up.shape[0]}")
     check_router_weights(weights, x, route_map)
-    plan = _plan(backend, x, w_gate_up, w_down, route_map.offsets, route_map)
+    # a route map built by hand may carry int64 offsets (grouped_mm takes int32 only) or wrong ones
+    offsets = checked_offsets(route_map.offsets, route_map.num_rows, x.device, route_map.num_experts)
+    plan = _plan(backend, x, w_gate_up, w_down, offsets, route_map)
     if plan is not None:
         from moe_kernels.triton.ffn_kernels import swiglu_ffn_routed
 
-        return swiglu_ffn_routed(x, weights, w_gate_up, w_down, route_map.offsets, route_map.sort_order, route_map.dest_row, plan)
+        return swiglu_ffn_routed(x, weights, w_gate_up, w_down, offsets, route_map.sort_order, route_map.dest_row, plan)
     # torch grouped_mm (or reference) GEMMs composed with permute and combine (CPU, or no triton)
     rows_backend = "reference" if backend == "reference" else "auto"
-    y = swiglu_experts(permute(x, route_map, rows_backend), w_gate_up, w_down, route_map.offsets, backend)
+    y = swiglu_experts(permute(x, route_map, rows_backend), w_gate_up, w_down, offsets, backend)
     return combine(y, route_map, weights, rows_backend)
+
+
+def _require_grouped_mm_block(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    if 0 not in (w_gate_up.shape[1], w_down.shape[1]):  # an empty d or h runs on every backend
+        require_torch_grouped_mm(x, w_gate_up)
+        require_torch_grouped_mm(x, w_down, in_cols=w_down.shape[1])
 
 
 _PLANS: dict[tuple, object] = {}
@@ -106,7 +120,11 @@ def _plan(
     fastest of a GEMM-by-GEMM choice between the two, all-Triton and all-grouped_mm, timed once
     per shape (rows bucketed to a power of two) and cached; then plans one GEMM away from the
     winner are timed as whole blocks and a change is kept when it is >1% faster."""
+    if backend == "torch":  # before any work: both GEMMs must suit grouped_mm, or neither runs
+        _require_grouped_mm_block(x, w_gate_up, w_down)
     if backend == "reference" or not use_triton("auto" if backend == "torch" else backend, x):
+        return None
+    if 0 in (w_gate_up.shape[1], w_down.shape[1]):  # d = 0 or h = 0: the composed ops give the zeros
         return None
     from moe_kernels.triton import ffn_kernels
 
@@ -168,7 +186,7 @@ def _fastest_plan(x, w_gate_up, w_down, offsets, route_map, key=None):
         if rm is None:
             out = ffn_kernels.swiglu_ffn_sorted(leaves[0], leaves[1], leaves[2], offsets, plan)
         else:
-            out = ffn_kernels.swiglu_ffn_routed(leaves[0], leaves[3], leaves[1], leaves[2], rm.offsets, rm.sort_order, rm.dest_row, plan)
+            out = ffn_kernels.swiglu_ffn_routed(leaves[0], leaves[3], leaves[1], leaves[2], offsets, rm.sort_order, rm.dest_row, plan)
         torch.autograd.grad(out, leaves, grad)
 
     warmed: set = set()

@@ -14,40 +14,71 @@ from moe_kernels.triton import use_triton
 GemmBackend = Literal["auto", "triton", "torch", "reference"]
 
 
-def checked_offsets(offsets: torch.Tensor, rows: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """The offsets as the kernels take them ([E] int32), after the checks that need no host read
-    on a GPU: shape, integer dtype, on the rows' device. On the CPU (reading is free there) also:
-    non-decreasing, non-negative, last == the row count. On a GPU, offsets that do not end at the
-    row count leave the rows past the last end uncomputed."""
-    num_rows = rows.shape[0]
-    if offsets.device != rows.device:
-        raise ValueError(f"offsets are on device={offsets.device} but the rows are on device={rows.device}")
+def _check_ends(ends: list[int], num_rows: int) -> None:
+    """Offsets read on the host: non-decreasing cumulative row ends from 0 that end at num_rows."""
+    steps = [b - a for a, b in zip([0] + ends[:-1], ends)]
+    if (ends and min(steps) < 0) or (ends[-1] if ends else 0) != num_rows:
+        raise ValueError(
+            f"offsets {ends if len(ends) <= 16 else ends[:8] + ['...']} must be non-decreasing cumulative "
+            f"row ends from 0 that end at the number of rows, {num_rows}"
+        )
+
+
+def checked_offsets(offsets: torch.Tensor, num_rows: int, device: torch.device, num_experts: int) -> torch.Tensor:
+    """The offsets as the kernels take them ([E] int32, contiguous), after the checks that need no
+    host read on a GPU: shape, integer dtype, on the rows' device, and no rows without experts. On
+    the CPU (reading is free there) also: non-decreasing, non-negative, last == the row count. On a
+    GPU, offsets that do not end at the row count leave the rows past the last end uncomputed."""
+    if offsets.device != device:
+        raise ValueError(f"offsets are on device={offsets.device} but the rows are on device={device}")
     if offsets.shape != (num_experts,):
         raise ValueError(f"offsets shape {tuple(offsets.shape)} != (num_experts,)=({num_experts},)")
     if offsets.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"offsets must be int32 (or int64) cumulative row ends, got dtype={offsets.dtype}")
-    if offsets.device.type == "cpu" and num_experts > 0:
-        ends = offsets.tolist()
-        steps = [b - a for a, b in zip([0] + ends[:-1], ends)]
-        if min(steps) < 0 or ends[-1] != num_rows:
-            raise ValueError(
-                f"offsets {ends if num_experts <= 16 else ends[:8] + ['...']} must be non-decreasing cumulative "
-                f"row ends from 0 that end at the number of rows, {num_rows}"
-            )
-    return offsets.to(torch.int32)
+    if num_experts == 0 and num_rows != 0:  # no expert owns them: the kernels would leave them unwritten
+        raise ValueError(f"there are {num_rows} rows but no experts (E=0): nothing would compute them")
+    if offsets.device.type == "cpu":
+        _check_ends(offsets.tolist(), num_rows)
+    # the kernels read the offsets as a flat array (a strided view would give wrong experts)
+    return offsets.to(torch.int32).contiguous()
+
+
+def _check_operands(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x: [N, K], w: [E, K, M] of one dtype and device; returns the checked offsets."""
+    if x.dim() != 2 or w.dim() != 3:
+        raise ValueError(f"expected x [N, K] and w [E, K, M], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"x has K={x.shape[1]} but w has K={w.shape[1]}")
+    offsets = checked_offsets(offsets, x.shape[0], x.device, w.shape[0])
+    if x.dtype != w.dtype or x.device != w.device:
+        raise ValueError(f"x ({x.dtype}, {x.device}) and w ({w.dtype}, {w.device}) must share dtype and device")
+    return offsets
+
+
+def _per_expert_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    ends = offsets.tolist()
+    _check_ends(ends, x.shape[0])  # read here anyway (on a GPU too)
+    outs = [x[start:end] @ w[e] for e, (start, end) in enumerate(zip([0] + ends[:-1], ends))]
+    return torch.cat(outs, dim=0) if outs else x.new_zeros(0, w.shape[-1])
 
 
 def grouped_gemm_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Per-expert loop. Reads the offsets back to the host: a reference, not a fast path."""
-    ends = offsets.tolist()
-    outs = []
-    start = 0
-    for e, end in enumerate(ends):
-        outs.append(x[start:end] @ w[e])
-        start = end
-    if start != x.shape[0]:
-        raise ValueError(f"offsets end at {start} but x has {x.shape[0]} rows")
-    return torch.cat(outs, dim=0) if outs else x.new_zeros(0, w.shape[-1])
+    """Per-expert loop. Reads the offsets back to the host: a reference, not a fast path.
+    The same operand checks as grouped_gemm."""
+    return _per_expert_loop(x, w, _check_operands(x, w, offsets))
+
+
+def _grouped_mm_reads(w: torch.Tensor) -> bool:
+    """Whether torch's grouped_mm takes w [E, K, M] as laid out: a unit stride in one of its last
+    two dims and the other a multiple of 16 bytes (else it raises "Invalid strides/sizes" or
+    "strides should be multiple of 16 bytes"; a slice such as w[..., ::2] has neither)."""
+    if w.stride(-1) == 1:
+        other = w.stride(-2)
+    elif w.stride(-2) == 1:
+        other = w.stride(-1)
+    else:
+        return False
+    return (other * w.element_size()) % 16 == 0
 
 
 def torch_grouped_mm_supported(x: torch.Tensor, w: torch.Tensor, in_cols: int | None = None) -> bool:
@@ -58,6 +89,7 @@ def torch_grouped_mm_supported(x: torch.Tensor, w: torch.Tensor, in_cols: int | 
     in_cols = x.shape[1] if in_cols is None else in_cols
     # rows of 16-byte multiples are required by the CUDA and the CPU kernels alike
     rows_aligned = (in_cols * x.element_size()) % 16 == 0 and (w.shape[-1] * w.element_size()) % 16 == 0
+    rows_aligned = rows_aligned and _grouped_mm_reads(w)
     if x.device.type == "cuda":
         if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0):
             return False
@@ -65,6 +97,18 @@ def torch_grouped_mm_supported(x: torch.Tensor, w: torch.Tensor, in_cols: int | 
     if x.device.type == "cpu":
         return x.dtype == torch.float32 and rows_aligned
     return False
+
+
+def require_torch_grouped_mm(x: torch.Tensor, w: torch.Tensor, in_cols: int | None = None) -> None:
+    """backend="torch" asked for a GEMM torch's grouped_mm cannot run: say why, before any work."""
+    if not torch_grouped_mm_supported(x, w, in_cols):
+        in_cols = x.shape[1] if in_cols is None else in_cols
+        raise ValueError(
+            f"torch grouped_mm does not support x {x.dtype} [{x.shape[0]}, {in_cols}] @ w {tuple(w.shape)} (strides "
+            f"{w.stride()}) on device={x.device}: it needs bf16 on an sm90+ GPU or fp32 on the CPU, rows whose bytes "
+            "(K and M times the element size) are multiples of 16, and w with a unit stride in one of its last two "
+            "dims; use backend='auto' or 'reference'"
+        )
 
 
 def _contiguous_grad(grad: torch.Tensor) -> torch.Tensor:
@@ -87,27 +131,19 @@ def grouped_gemm(
     "reference" (per-expert loop, reads offsets on the host), "auto" (triton on CUDA when
     installed, else torch grouped_mm where supported, else reference).
     """
-    if x.dim() != 2 or w.dim() != 3:
-        raise ValueError(f"expected x [N, K] and w [E, K, M], got {tuple(x.shape)} and {tuple(w.shape)}")
-    if x.shape[1] != w.shape[1]:
-        raise ValueError(f"x has K={x.shape[1]} but w has K={w.shape[1]}")
-    offsets = checked_offsets(offsets, x, w.shape[0])
-    if x.dtype != w.dtype or x.device != w.device:
-        raise ValueError(f"x ({x.dtype}, {x.device}) and w ({w.dtype}, {w.device}) must share dtype and device")
-    if use_triton(backend, x):
+    offsets = _check_operands(x, w, offsets)
+    triton = use_triton(backend, x)  # checks the backend name (and triton's dtype and device) first
+    if 0 in (x.shape[1], w.shape[2]):  # K or M empty: grouped_mm and the triton kernels refuse it; zeros here
+        return _per_expert_loop(x, w, offsets)
+    if triton:
         from moe_kernels.triton.grouped_gemm_kernels import GroupedGemmFn
 
         return GroupedGemmFn.apply(x, w, offsets)
     if backend == "reference":
-        return grouped_gemm_reference(x, w, offsets)
+        return _per_expert_loop(x, w, offsets)
     if backend == "torch":
-        if not torch_grouped_mm_supported(x, w):
-            raise ValueError(
-                f"torch grouped_mm does not support x {x.dtype} {tuple(x.shape)} @ w {tuple(w.shape)} on "
-                f"device={x.device}: it needs bf16 on an sm90+ GPU or fp32 on the CPU, and rows whose bytes "
-                "(K and M times the element size) are multiples of 16; use backend='auto' or 'reference'"
-            )
+        require_torch_grouped_mm(x, w)
         return grouped_gemm_torch(x, w, offsets)
     if torch_grouped_mm_supported(x, w):
         return grouped_gemm_torch(x, w, offsets)
-    return grouped_gemm_reference(x, w, offsets)
+    return _per_expert_loop(x, w, offsets)

@@ -18,11 +18,21 @@ def check_rows(name: str, t: torch.Tensor, rows: str) -> None:
         raise ValueError(f"{name} must be 2-D [{rows}, d], got shape {tuple(t.shape)}")
 
 
+def check_route_map_device(route_map: RouteMap, t: torch.Tensor, name: str) -> None:
+    """The route map's index tensors live where the rows do (the kernels read them as device pointers)."""
+    if route_map.dest_row.device != t.device:
+        raise ValueError(
+            f"the route map is on device={route_map.dest_row.device} but {name} is on device={t.device}: "
+            "build it from expert ids on the rows' device"
+        )
+
+
 def check_token_rows(x: torch.Tensor, route_map: RouteMap) -> None:
     """x: the [T, d] token rows the route map was built for."""
     check_rows("x", x, "T")
     if x.shape[0] != route_map.num_tokens:
         raise ValueError(f"x has {x.shape[0]} rows but the route map was built for {route_map.num_tokens} tokens")
+    check_route_map_device(route_map, x, "x")
 
 
 def check_router_weights(weights: torch.Tensor, x: torch.Tensor, route_map: RouteMap) -> None:
@@ -64,6 +74,7 @@ def combine(
     if expert_out.shape[0] != route_map.num_rows:
         raise ValueError(f"expert_out has {expert_out.shape[0]} rows, expected T*k={route_map.num_rows}")
     check_router_weights(weights, expert_out, route_map)
+    check_route_map_device(route_map, expert_out, "expert_out")
     if use_triton(backend, expert_out):
         from moe_kernels.triton.permute_kernels import CombineFn
 

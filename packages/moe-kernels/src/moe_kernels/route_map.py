@@ -6,8 +6,9 @@ Flat index convention: the (token t, slot s) pair of a [T, k] routing is flat ro
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -34,7 +35,8 @@ class RouteMap:
     dest_row: torch.Tensor
 
     def __post_init__(self):
-        """A map built by hand (another dispatcher) is held to the shapes build_route_map gives."""
+        """A map built by hand (another dispatcher) is held to the shapes build_route_map gives,
+        and its tensors are made contiguous: the kernels index them as flat arrays."""
         if self.top_k < 1 or self.num_experts < 1 or self.num_tokens < 0:
             raise ValueError(
                 f"RouteMap(num_tokens={self.num_tokens}, top_k={self.top_k}, num_experts={self.num_experts}): "
@@ -45,6 +47,8 @@ class RouteMap:
             got = tuple(getattr(self, name).shape)
             if got != want:
                 raise ValueError(f"RouteMap.{name} has shape {got}, expected {want} (T={self.num_tokens}, k={self.top_k}, E={e})")
+        for name in ("counts", "offsets", "sort_order", "dest_row"):
+            object.__setattr__(self, name, getattr(self, name).contiguous())  # a no-op when already contiguous
 
     @property
     def num_rows(self) -> int:
@@ -62,12 +66,25 @@ class RouteMap:
 
     def rank_counts(self, ep_size: int) -> torch.Tensor:
         """[ep] int32 rows destined to each expert-parallel rank (experts split contiguously)."""
+        ep_size = positive_int("ep_size", ep_size)
         if self.num_experts % ep_size != 0:
             raise ValueError(f"num_experts={self.num_experts} is not divisible by ep_size={ep_size}")
         return self.counts.view(ep_size, self.num_experts // ep_size).sum(dim=1, dtype=torch.int32)
 
 
 RouteMapBackend = Literal["auto", "triton", "torch", "reference"]
+
+
+def positive_int(name: str, value: Any) -> int:
+    """`value` as a plain int >= 1 (a Python or numpy integer, or a 0-dim integer tensor), else a
+    ValueError naming it: a float, bool or string count would fail later, deep inside a kernel."""
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+    return number
 
 
 def _check_ids_on_host(expert_ids: torch.Tensor, num_experts: int) -> None:
@@ -97,8 +114,7 @@ def build_route_map(expert_ids: torch.Tensor, num_experts: int, backend: RouteMa
         raise ValueError(f"expert_ids must be [T, k], got shape {tuple(expert_ids.shape)}")
     if expert_ids.dtype.is_floating_point or expert_ids.dtype.is_complex or expert_ids.dtype == torch.bool:
         raise ValueError(f"expert_ids must be an integer tensor, got dtype={expert_ids.dtype}")
-    if num_experts <= 0:
-        raise ValueError(f"num_experts={num_experts} must be positive")
+    num_experts = positive_int("num_experts", num_experts)
     num_tokens, top_k = expert_ids.shape
     if top_k == 0:  # every token would go nowhere; the row kernels divide rows by k
         raise ValueError(f"expert_ids has 0 columns (shape {tuple(expert_ids.shape)}): top_k must be >= 1")
