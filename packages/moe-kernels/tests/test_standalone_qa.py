@@ -303,7 +303,29 @@ def _interp_rows_without_experts():
         grouped_gemm(torch.randn(3, 16), torch.randn(0, 16, 4), torch.zeros(0, dtype=torch.int32), "triton")
 
 
+def _interp_double_backward_refused():
+    """The triton backwards build no graph: create_graph=True must raise, not return first-order-only grads."""
+    ids, x, weights, w1, w2 = problem()
+    rm = build_route_map(ids, 5, backend="triton")
+    rows = permute(x, rm, backend="reference").requires_grad_()
+    x, weights, w1 = x.requires_grad_(), weights.requires_grad_(), w1.requires_grad_()
+    calls = {
+        "GroupedGemmFn": lambda: grouped_gemm(rows, w1, rm.offsets, "triton"),
+        "PermuteFn": lambda: permute(x, rm, backend="triton"),
+        "CombineFn": lambda: combine(rows, rm, weights, "triton"),
+        "SwigluFFNFn": lambda: moe_ffn(x, rm, weights, w1, w2, "triton"),
+    }
+    for name, call in calls.items():
+        out = call()
+        torch.autograd.grad(out.square().sum(), [t for t in (x, rows, weights, w1) if t.requires_grad],
+                            allow_unused=True, retain_graph=True)  # first order still fine
+        with pytest.raises(RuntimeError, match=f"{name}: the triton backend's backward is not differentiable"):
+            torch.autograd.grad(out.square().sum(), [t for t in (x, rows, weights, w1) if t.requires_grad],
+                                allow_unused=True, create_graph=True)
+
+
 INTERPRETER_CHECKS = {
+    "double_backward_refused": _interp_double_backward_refused,
     "strided_offsets": _interp_strided_offsets,
     "strided_route_map": _interp_strided_route_map,
     "hand_built_offsets_checked": _interp_hand_built_offsets_checked,

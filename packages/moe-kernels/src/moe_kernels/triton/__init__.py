@@ -78,3 +78,15 @@ def use_triton(backend: str, t: torch.Tensor) -> bool:
         require_triton_on(t)
         return True
     return backend == "auto" and triton_takes_dtype(t) and triton_runs_on(t)
+
+
+def refuse_double_backward(op: str) -> None:
+    """Called first in the backward of every triton autograd Function. Their backward kernels build
+    no autograd graph, so torch.autograd.grad(..., create_graph=True) (a gradient penalty, a Hessian
+    product) would silently get gradients with no second-order term; grad mode is on during a
+    backward only when a graph of it is being built."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{op}: the triton backend's backward is not differentiable (create_graph=True asks for a second "
+            "derivative); use backend='reference' for higher-order gradients"
+        )

@@ -24,6 +24,7 @@ from typing import Literal
 
 import torch
 
+from moe_kernels.triton import refuse_double_backward
 from moe_kernels.triton.grouped_gemm_kernels import grouped_gemm_launch, grouped_wgrad_launch
 from moe_kernels.triton.permute_kernels import combine_backward, gather_sum, scatter_rows
 from moe_kernels.triton.swiglu_kernels import swiglu_backward, swiglu_forward
@@ -111,6 +112,7 @@ class SwigluFFNFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        refuse_double_backward("SwigluFFNFn")
         x, xs, weights, w1, w2, offsets, sort_order, dest_row, pre, act, y = ctx.saved_tensors
         g = g.contiguous()
         routed, k, plan = ctx.routed, ctx.top_k, ctx.plan

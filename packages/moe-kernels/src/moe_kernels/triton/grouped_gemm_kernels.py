@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_kernels.triton import refuse_double_backward
 from moe_kernels.triton.tuning import pick_config, rows_bucket
 
 
@@ -402,6 +403,7 @@ class GroupedGemmFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
+        refuse_double_backward("GroupedGemmFn")
         x, w, offsets = ctx.saved_tensors
         gy = gy.contiguous()
         gx = gw = None

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_kernels.triton import refuse_double_backward
+
 
 def _block_d(d: int) -> int:
     return min(1024, triton.next_power_of_2(d))
@@ -132,6 +134,7 @@ class PermuteFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        refuse_double_backward("PermuteFn")
         (dest_row,) = ctx.saved_tensors
         return gather_sum(g, dest_row, ctx.top_k), None, None
 
@@ -144,6 +147,7 @@ class CombineFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        refuse_double_backward("CombineFn")
         y, dest_row, weights = ctx.saved_tensors
         dy, gw = combine_backward(g, y, dest_row, weights)
         return dy, None, gw
