@@ -50,7 +50,7 @@ def test_argparse_errors_are_one_line_with_status_2(args, message, capsys):
     (["info", "--preset", "nope"], "preset='nope': expected one of tiny,"),
     (["bench", "--steps", "0"], "bench --steps=0: expected a positive integer"),
     (["bench", "--steps", "-1"], "bench --steps=-1: expected a positive integer"),
-    (["inspect", "folder"], "has no index.json"),
+    (["inspect", "folder"], "'folder' holds no checkpoint"),
     (["export-hf", "folder", "out"], "checkpoint 'folder': no reader recognises it"),
     (["import-hf", "folder", "out"], "'folder' has no config.json; expected a Hugging Face model folder"),
 ])
@@ -101,8 +101,9 @@ def test_prepare_data_refuses_max_bytes_below_one(value, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("word,value", [("false", False), ("true", True)])
-def test_resume_with_a_value_sets_train_resume(word, value, capsys):
-    assert main(["info", "--train.resume=true", f"--resume={word}"]) == 0
+def test_resume_with_a_value_sets_train_resume(word, value, tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text(f"train:\n  resume: {str(not value).lower()}\n")  # the opposite, replaced
+    assert main(["info", "--config", str(tmp_path / "c.yaml"), f"--resume={word}"]) == 0
     assert json.loads(capsys.readouterr().out)["config"]["train"]["resume"] is value
 
 

@@ -22,55 +22,135 @@ PREPARE_VOCAB_SIZE = 4096  # prepare-data's defaults
 PREPARE_MAX_BYTES = 4_000_000
 
 
+class _StoreOnce(argparse._StoreAction):
+    """An option given twice is refused, as a repeated override or a key twice in a YAML file is
+    (argparse keeps the last value without a word)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = vars(namespace).setdefault("_options_given", {})
+        if self.dest in given:
+            option = "/".join(self.option_strings)
+            parser.error(f"argument {option}: given twice ({given[self.dest]}, then {values}); pass it once")
+        given[self.dest] = values
+        super().__call__(parser, namespace, values, option_string)
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse's errors as one line, like ours (argparse prints its usage above them)."""
+    """argparse's errors as one line, like ours (argparse prints its usage above them); no abbreviated
+    options (`--pre` for `--preset`: a later option starting the same way would change what it means);
+    an option given twice is an error."""
 
     commands: tuple[str, ...] = ()
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # sub-parsers are made by add_parser, with this class
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+VERSIONED = ("moe-train", "moe-kernels", "moe-parallel", "moe-ckpt", "moe-precision", "torch", "triton")
+
+
+def versions() -> dict[str, str]:
+    """The installed version of our five packages, torch and triton, from package metadata; torch's as torch
+    gives it, with the CUDA build the metadata leaves out (2.11.0+cu128; the CLI has loaded torch already).
+    A package run from source without being installed (tools/gpu_env.sh) shows its module's __version__."""
+    import importlib
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    found = {}
+    for name in VERSIONED:
+        try:
+            found[name] = torch.__version__ if name == "torch" else version(name)
+        except PackageNotFoundError:
+            try:
+                module = importlib.import_module(name.replace("-", "_"))
+            except ImportError:
+                found[name] = "not installed"
+            else:
+                found[name] = f"{getattr(module, '__version__', 'unknown')} (from source, not installed)"
+    return found
+
+
+class _VersionAction(argparse.Action):
+    def __init__(self, option_strings, dest, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print("\n".join(f"{name} {v}" for name, v in versions().items()))
+        parser.exit(0)
+
+
 OVERRIDES_HELP = """\
 Any config field is set as --section.field=value, e.g.
   --model.num_experts=16 --train.steps=500 --model.router.top_k=4
-(`moe-train info` prints them all). Shorthands:
-  --resume, --no-resume, --run-dir DIR, --save-interval N{steps}"""
+(`moe-train info` prints them all)."""
+SHORTHANDS_HELP = """
+Shorthands: --resume, --no-resume, --run-dir DIR, --save-interval N,
+  --steps N"""
+BENCH_HELP = """
+Refused here, as bench would ignore them (it writes no run folder;
+--steps sets its steps): --train.steps, --train.run_dir, --train.resume,
+--train.save_interval and their shorthands."""
+# set by train's shorthands, or (steps) replaced by bench's own --steps; bench reads none of them
+BENCH_UNREAD = ("train.steps", "train.run_dir", "train.resume", "train.save_interval")
+
+
+def _path(text: str) -> str:
+    """A path argument; an empty one (`--config "$UNSET"`) would be taken as no file, or as the current folder."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path, got an empty string")
+    return text
+
+
+def _repo(text: str) -> str:
+    if not text:  # an empty repo would skip the upload without a word
+        raise argparse.ArgumentTypeError("expected a Hub repo id (user/name), got an empty string")
+    return text
 
 
 def _parser() -> _Parser:
     p = _Parser(prog="moe-train", description="Train sparse MoE language models.")
+    p.add_argument("--version", action=_VersionAction,
+                   help="print the versions of the five moe-* packages, torch and triton, and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_ in (("train", "train a model (no arguments: the embedded default)"),
                         ("info", "parameter counts, FLOPs per token and the resolved config"),
                         ("bench", "N training steps on synthetic tokens, reported as JSON")):
-        epilog = OVERRIDES_HELP.format(steps="" if name == "bench" else ", --steps N")
+        epilog = OVERRIDES_HELP + (BENCH_HELP if name == "bench" else SHORTHANDS_HELP)
         s = sub.add_parser(name, help=help_, description=help_, epilog=epilog,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         s.add_argument("--preset", default=None, help=f"named preset: {', '.join(PRESETS)} (default: tiny)")
-        s.add_argument("--config", default=None, help="YAML file of overrides")
+        s.add_argument("--config", type=_path, default=None, help="YAML file of overrides")
         if name == "bench":
             s.add_argument("--steps", type=int, default=5, help="measured steps (default 5)")
             s.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (default 2)")
-            s.add_argument("--out", default=None, help="also write the JSON here")
+            s.add_argument("--out", type=_path, default=None, help="also write the JSON here")
     s = sub.add_parser("export-hf", help="export a checkpoint to a Hugging Face folder that stock transformers loads")
-    s.add_argument("checkpoint", help="a run folder (its latest checkpoint) or a checkpoint folder")
-    s.add_argument("out", help="the Hugging Face folder to write (new, or an earlier export)")
+    s.add_argument("checkpoint", type=_path, help="a run folder (its latest checkpoint) or a checkpoint folder")
+    s.add_argument("out", type=_path, help="the Hugging Face folder to write (new, or an earlier export)")
     s.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="of the exported weights (default bf16)")
-    s.add_argument("--push-to-hub", default=None, metavar="REPO", help="also upload the folder to this Hub repo")
+    s.add_argument("--push-to-hub", type=_repo, default=None, metavar="REPO",
+                   help="also upload the folder to this Hub repo")
     s.add_argument("--allow-benchmark-routing", action="store_true",
                    help="export a random/uniform-routed model's router as a learned one")
     s = sub.add_parser("import-hf", help="convert a Hugging Face folder to our config.json and our-named model.safetensors "
                            "(export-hf and moe_ckpt.hf read it; training does not start from it yet)")
-    s.add_argument("folder", help="a Hugging Face model folder (config.json and safetensors)")
-    s.add_argument("out", help="the folder to write config.json, model.safetensors and hf_extra.json into")
+    s.add_argument("folder", type=_path, help="a Hugging Face model folder (config.json and safetensors)")
+    s.add_argument("out", type=_path, help="the folder to write config.json, model.safetensors and hf_extra.json into")
     s = sub.add_parser("inspect", help="list a checkpoint's tensors, shapes and the layout that wrote it")
-    s.add_argument("checkpoint", help="a checkpoint folder, a run's checkpoints/ folder or a run folder")
+    s.add_argument("checkpoint", type=_path, help="a checkpoint folder, a run's checkpoints/ folder or a run folder")
     s = sub.add_parser("prepare-data", help="tokenize text files into a data folder")
-    s.add_argument("inputs", nargs="*", help="text files or folders (default: the Python standard library)")
-    s.add_argument("--out", required=True, help="the data folder to write (an existing one is replaced)")
+    s.add_argument("inputs", nargs="*", type=_path, help="text files or folders (default: the Python standard library)")
+    s.add_argument("--out", type=_path, required=True, help="the data folder to write (an existing one is replaced)")
     s.add_argument("--vocab-size", type=int, default=None, help=f"of the BPE trained here (default {PREPARE_VOCAB_SIZE})")
-    s.add_argument("--tokenizer", default=None, help="an existing tokenizer.json instead of training a BPE")
+    s.add_argument("--tokenizer", type=_path, default=None, help="an existing tokenizer.json instead of training a BPE")
     s.add_argument("--max-bytes", type=int, default=None,
                    help=f"how much of the default corpus to read, when no inputs are given (default {PREPARE_MAX_BYTES})")
     p.commands = tuple(sub.choices)
@@ -80,8 +160,10 @@ def _parser() -> _Parser:
 def _cmd_train(cfg) -> None:
     from moe_train.trainer.loop import Trainer
 
-    summary = Trainer(cfg).train()
-    print(json.dumps(summary))
+    trainer = Trainer(cfg)
+    summary = trainer.train()
+    if trainer.is_main:  # under torchrun, one summary rather than one per rank
+        print(json.dumps(summary))
 
 
 def _cmd_info(cfg) -> None:
@@ -133,18 +215,46 @@ def _cmd_prepare(args) -> None:
     print(f"wrote {out}")
 
 
-def _cmd_inspect(args) -> None:
+def _holds_checkpoint(folder) -> bool:
+    """A checkpoint, or a folder of them (a run's checkpoints/). A folder named step-N, committed or not, counts:
+    moe_ckpt says what is wrong with it."""
+    from moe_ckpt import find_latest, step_of
+
+    return ((folder / "index.json").exists() or step_of(folder.name.removesuffix(".tmp")) is not None
+            or find_latest(folder) is not None)
+
+
+def _existing_saved_run(given: str, expected: str):
+    """Path(given), for inspect and export-hf; one that does not exist, or a run that has not saved yet, is
+    refused naming it (moe_ckpt would say it has no index.json, or that no reader recognises it)."""
     from pathlib import Path
 
+    from moe_train.trainer.checkpoint import checkpoint_root
+
+    path = Path(given)
+    if not path.exists():
+        raise FileNotFoundError(f"{given!r} does not exist: {expected}")
+    root = checkpoint_root(path)
+    is_run = root.is_dir() or (path / "metrics.jsonl").is_file()  # checkpoints/ comes with the first save
+    if (is_run or path.name == "checkpoints") and not _holds_checkpoint(root if root.is_dir() else path):
+        raise FileNotFoundError(f"{'run ' if is_run else ''}{given!r} has no checkpoints yet (a run saves every "
+                                "train.save_interval steps and at its last step; never with train.save_interval=0)")
+    return path
+
+
+def _cmd_inspect(args) -> None:
     from moe_ckpt import format_checkpoint
     from moe_train.trainer.checkpoint import checkpoint_root
 
-    path = Path(args.checkpoint)
-    if path.exists() and not path.is_dir():
-        raise NotADirectoryError(f"{str(path)!r} is a file: expected a checkpoint folder (with index.json), "
-                                 "a run's checkpoints/ folder or a run folder")
+    expected = "expected a checkpoint folder (with index.json), a run's checkpoints/ folder or a run folder"
+    path = _existing_saved_run(args.checkpoint, expected)
+    if not path.is_dir():
+        raise NotADirectoryError(f"{args.checkpoint!r} is a file: {expected}")
     if checkpoint_root(path).is_dir():  # a run folder
         path = checkpoint_root(path)
+    if not _holds_checkpoint(path):
+        raise FileNotFoundError(f"{args.checkpoint!r} holds no checkpoint (no index.json, checkpoints/ or "
+                                f"metrics.jsonl): {expected}")
     print(format_checkpoint(path))
 
 
@@ -171,6 +281,8 @@ def _cmd_hf(args) -> None:
     from moe_train.hf_bridge import export_hf, import_hf
 
     if args.command == "export-hf":
+        _existing_saved_run(args.checkpoint, "expected a run folder, a checkpoint folder or a folder with "
+                            "model.safetensors and config.json")
         summary = export_hf(args.checkpoint, args.out, dtype=args.dtype, push_to_hub=args.push_to_hub,
                             allow_benchmark_routing=args.allow_benchmark_routing)
         print(f"wrote {args.out}: {summary}")
@@ -211,6 +323,15 @@ def _refuse_unknown(command: str, rest: list[str]) -> None:
                           "lists (config overrides apply to train, info and bench)")
 
 
+def _refuse_unread_by_bench(overrides: dict[str, str]) -> None:
+    """A training run's own fields, set on bench's command line, are refused: bench would ignore them (a YAML
+    file shared with train may hold them)."""
+    for key in BENCH_UNREAD:
+        if key in overrides:
+            why = "its measured steps are --steps N" if key == "train.steps" else "it writes no run folder"
+            raise ConfigError(f"bench --{key}={overrides[key]}: bench does not read {key} ({why}); drop it")
+
+
 def _run(args, rest) -> int:
     try:
         if args.command == "inspect":
@@ -225,7 +346,10 @@ def _run(args, rest) -> int:
             _refuse_unknown(args.command, rest)
             _cmd_prepare(args)
             return 0
-        cfg = build_config(args.preset, args.config, parse_overrides(expand_aliases(rest)))
+        overrides = parse_overrides(expand_aliases(rest))
+        if args.command == "bench":
+            _refuse_unread_by_bench(overrides)
+        cfg = build_config(args.preset, args.config, overrides)
         if args.command == "train":
             _cmd_train(cfg)
         elif args.command == "info":

@@ -234,6 +234,8 @@ def read_override(dotted: str, text: str) -> Any:
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
+    if str(path) == "":  # Path("") is the current folder
+        raise ConfigError("config file '': expected the path of a YAML file, got an empty string")
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} " + ("is a folder: expected a YAML file" if p.is_dir() else "does not exist"))
@@ -250,20 +252,28 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def parse_overrides(args: list[str]) -> dict[str, str]:
-    """['--model.num_experts=64', '--train.steps', '10'] -> {'model.num_experts': '64', 'train.steps': '10'}."""
+    """['--model.num_experts=64', '--train.steps', '10'] -> {'model.num_experts': '64', 'train.steps': '10'}.
+
+    A key given twice is refused, as a key twice in a YAML file is: the last would win without a word."""
     out: dict[str, str] = {}
     i = 0
     while i < len(args):
         arg = args[i]
-        if not arg.startswith("--"):
-            raise ConfigError(f"override {arg!r}: expected --section.field=value")
         key, eq, value = arg[2:].partition("=")
+        if not arg.startswith("--") or not key:  # `--` alone, or `--=3`
+            raise ConfigError(f"override {arg!r}: expected --section.field=value")
         if not eq:
             if i + 1 >= len(args):
                 raise ConfigError(f"override {arg!r}: expected --{key}=value")
             value = args[i + 1]
+            if value.startswith("--"):  # `--train.run_dir --resume`: the value was forgotten, not a path "--resume"
+                raise ConfigError(f"override {arg!r}: expected a value, got the option {value!r} "
+                                  f"(a value starting with -- is written --{key}=VALUE)")
             i += 1
-        out[key.replace("-", "_") if "." not in key else key] = value
+        key = key.replace("-", "_") if "." not in key else key
+        if key in out:
+            raise ConfigError(f"{key} is set twice ({out[key]}, then {value}): set it once")
+        out[key] = value
         i += 1
     return out
 
@@ -273,14 +283,40 @@ def build_config(preset: str | None = None, yaml_path: str | None = None, overri
 
     overrides: {dotted key: value}; a string value is read as the command line's text (read_override),
     so `--model.head_dim=~` and `model: {head_dim: ~}` give the same config, and the same errors."""
-    mapping = load_yaml(yaml_path) if yaml_path else {}
-    name = preset or mapping.get("preset") or "tiny"
+    mapping = load_yaml(yaml_path) if yaml_path is not None else {}  # "" is refused, not taken as no file
+    name = preset if preset is not None else mapping.get("preset")
+    name = "tiny" if name is None else name  # `preset: ""` is refused by get_preset, not taken as tiny
     cfg = get_preset(str(name))
+    in_file: dict[str, tuple[str, Any]] = {}
+    for key, value in mapping.items():  # `train: {steps: 5}` and `train.steps: 7` set one field
+        if key != "preset":
+            _refuse_a_field_twice(in_file, key, value, "{}:", f"config file {str(yaml_path)!r}: ")
     apply_mapping(cfg, mapping)
+    given: dict[str, tuple[str, Any]] = {}
     for key, value in (overrides or {}).items():
-        set_field(cfg, key, read_override(key, value) if isinstance(value, str) else value)
+        value = read_override(key, value) if isinstance(value, str) else value
+        set_field(cfg, key, value)
+        _refuse_a_field_twice(given, key, value, "--{}", "")  # --model.router={top_k: 3} --model.router.top_k=4
     _expand_home(cfg)
     return validate(cfg)
+
+
+def _refuse_a_field_twice(given: dict[str, tuple[str, Any]], key: str, value: Any, spell: str, where: str) -> None:
+    """Record in `given` (field -> (key, value)) the fields `key: value` sets (a section's mapping sets each of
+    its fields), refusing one that an earlier key set: the last would win without a word.
+    spell: how a key is written in the error ("--{}" for an override); where: the error's prefix."""
+    for field, v in _leaves(key, value):
+        if field in given:
+            shown = [f"{x}" if k == field else f"{x} in {spell.format(k)}" for k, x in (given[field], (key, v))]
+            raise ConfigError(f"{where}{field} is set twice ({shown[0]}, then {shown[1]}): set it once")
+        given[field] = (key, v)
+
+
+def _leaves(key: str, value: Any) -> list[tuple[str, Any]]:
+    """The fields `key: value` sets: key itself, or each field of a mapping given for a section."""
+    if isinstance(value, dict):
+        return [leaf for k, v in value.items() for leaf in _leaves(f"{key}.{k}", v)]
+    return [(key, value)]
 
 
 def _expand_home(cfg: Config) -> None:
