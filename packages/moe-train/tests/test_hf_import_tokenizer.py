@@ -54,3 +54,28 @@ def test_reimporting_a_folder_without_a_tokenizer_drops_the_earlier_one(tmp_path
     import_hf(tmp_path / "without" / "hf", tmp_path / "ckpt")
     assert not (tmp_path / "ckpt" / "tokenizer.json").exists()
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "hf_extra.json", "model.safetensors"]
+
+
+def test_export_hf_cli_ships_the_tokenizer_it_is_given(tmp_path, data_dir, make_config, capsys):
+    """A run whose data folder moved: `export-hf --tokenizer FILE` ships FILE, with no warning."""
+    import json
+
+    from moe_ckpt import find_latest
+    from moe_train.cli import main
+    from moe_train.trainer.loop import Trainer
+
+    cfg = make_config(tmp_path, steps=1, eval_interval=0, save_interval=1)
+    cfg.data.path = str(data_dir)
+    cfg.model.shared_expert_hidden, cfg.model.router.expert_bias = 0, False  # a model stock transformers computes
+    Trainer(cfg).train()
+    meta_file = find_latest(tmp_path / "run" / "checkpoints") / "metadata.json"
+    meta = json.loads(meta_file.read_text())
+    meta["config"]["data"]["path"] = str(tmp_path / "moved-away")
+    meta_file.write_text(json.dumps(meta))
+    tok = data_dir / "tokenizer.json"
+    capsys.readouterr()
+    assert main(["export-hf", str(tmp_path / "run"), str(tmp_path / "hf"), "--dtype", "fp32", "--tokenizer", str(tok)]) == 0
+    assert "no tokenizer found" not in capsys.readouterr().err
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == tok.read_bytes()
+    assert main(["export-hf", str(tmp_path / "run"), str(tmp_path / "hf2"), "--tokenizer", str(tmp_path / "none.json")]) == 2
+    assert "none.json' is not a file" in capsys.readouterr().err

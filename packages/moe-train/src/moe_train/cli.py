@@ -140,6 +140,8 @@ def _parser() -> _Parser:
                    help="also upload the folder to this Hub repo")
     s.add_argument("--allow-benchmark-routing", action="store_true",
                    help="export a random/uniform-routed model's router as a learned one")
+    s.add_argument("--tokenizer", type=_path, default=None, metavar="TOKENIZER_JSON",
+                   help="the tokenizer.json to ship (default: the run's data folder's, or an import's own)")
     s = sub.add_parser("import-hf", help="convert a Hugging Face folder to our config.json and our-named model.safetensors "
                            "(export-hf and moe_ckpt.hf read it; training does not start from it yet)")
     s.add_argument("folder", type=_path, help="a Hugging Face model folder (config.json and safetensors)")
@@ -284,7 +286,7 @@ def _cmd_hf(args) -> None:
         _existing_saved_run(args.checkpoint, "expected a run folder, a checkpoint folder or a folder with "
                             "model.safetensors and config.json")
         summary = export_hf(args.checkpoint, args.out, dtype=args.dtype, push_to_hub=args.push_to_hub,
-                            allow_benchmark_routing=args.allow_benchmark_routing)
+                            allow_benchmark_routing=args.allow_benchmark_routing, tokenizer_json=args.tokenizer)
         print(f"wrote {args.out}: {summary}")
     else:
         cfg, _ = import_hf(args.folder, args.out)

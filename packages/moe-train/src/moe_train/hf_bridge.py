@@ -189,7 +189,8 @@ def export_hf(
                 warnings.warn(
                     f"export of {str(source)!r}: no tokenizer found for data.path={cfg.data.path!r} "
                     f"(data.cache_dir={cfg.data.cache_dir!r}, relative paths taken from {os.getcwd()}); the folder "
-                    "gets no tokenizer.json: run from the training directory or pass tokenizer_json=", stacklevel=2)
+                    "gets no tokenizer.json: run from the training directory or pass one (export-hf --tokenizer, or "
+                    "tokenizer_json=)", stacklevel=2)
             extra_file = _resolve_checkpoint(Path(source)) / HF_EXTRA_FILE
             if extra_file.is_file():
                 extra.update(read_json_object(extra_file))
