@@ -19,7 +19,9 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
     """Time `steps` optimizer steps after `warmup`; routing as configured (presets use random routing).
 
     The runtime is the one `train` would use for this config (`parallel.*`: e.g. bf16 resident
-    weights, or a layout under torchrun); tokens/s are per rank."""
+    weights, or a layout under torchrun). tokens_per_s, model_tflops and mfu are this rank's (per GPU);
+    tokens_per_s_all_ranks is every rank's tokens over the slowest rank's time, and peak_mem_gib the
+    largest over the ranks. Under torchrun only rank 0 prints and writes --out (the CLI)."""
     if steps < 1:
         raise ConfigError(f"bench --steps={steps}: expected a positive integer")
     if warmup < 0:
@@ -57,6 +59,8 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
+    peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    slowest, peak_mem_max = _max_over_ranks(runtime, elapsed, peak_mem)
     runtime.close()
     tokens = steps * t.grad_accum * mb * seq
     tps = tokens / elapsed
@@ -68,8 +72,22 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
         "torch": torch.__version__, "steps": steps, "warmup": warmup, "tokens_per_step": tokens // steps,
         "step_ms": elapsed / steps * 1e3, "tokens_per_s": tps, "model_tflops": fpt * tps / 1e12,
         "mfu": (fpt * tps / 1e12 / peak) if peak else None, "peak_tflops_bf16": peak,
-        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "peak_mem_gib": peak_mem_max,
         "params_total": counts.total, "params_active": counts.active, "flops_per_token": fpt,
         "routing": m.router.routing, "final_loss": loss, "runtime": type(runtime).__name__,
         "world_size": runtime.world_size, "param_dtype": cfg.parallel.param_dtype,
+        # every rank's tokens over the slowest rank's time (pp=1: each rank trains on its own tokens)
+        "tokens_per_s_all_ranks": tokens * runtime.world_size / slowest,
+        "rank": runtime.rank,
     }
+
+
+def _max_over_ranks(runtime, elapsed: float, peak_mem: float | None) -> tuple[float, float | None]:
+    """The slowest rank's time and the largest peak memory over the job (the runtime's one collective is a sum:
+    each rank fills its own slot)."""
+    if runtime.world_size == 1:
+        return elapsed, peak_mem
+    slots = torch.zeros(2, runtime.world_size, dtype=torch.float64, device=runtime.device)
+    slots[0, runtime.rank], slots[1, runtime.rank] = elapsed, peak_mem or 0.0
+    slots = runtime.all_reduce_sum(slots).max(dim=1).values.tolist()
+    return slots[0], (slots[1] if peak_mem is not None else None)

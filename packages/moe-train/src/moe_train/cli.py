@@ -188,6 +188,8 @@ def _cmd_bench(cfg, args) -> None:
         if not os.path.isdir(os.path.dirname(out)):
             raise ConfigError(f"bench --out={args.out}: its folder {os.path.dirname(out)!r} does not exist")
     result = run_bench(cfg, args.steps, args.warmup)
+    if result.pop("rank") != 0:  # under torchrun: one report (its numbers cover every rank), one writer of --out
+        return
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
