@@ -9,6 +9,7 @@ group size g) is owned in g equal shards: rank r owns [start + r*n/g, start + (r
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,7 @@ class ParamSlot:
     bucket: int
     index: int  # position in FlatParams.slots
     has_grad: bool = False  # a gradient reached this parameter on this rank since the last zero_grads()
+    arrived: bool = False  # GradientSync: its gradient arrived in the last backward of the step
 
 
 @dataclass
@@ -51,6 +53,10 @@ class FlatParams:
     named_params: (name, param) in forward order, all one dtype and device, all requires_grad=True.
     group: the process group the gradients are reduced over (and state sharded over when shard=True).
     grad_dtype: dtype of the accumulation buffer (fp32 for fp32 gradient accumulation).
+
+    Construction is collective over `group`: every rank must pass the same names, shapes and dtype
+    (else a ValueError on every rank names the first difference), and the weights are broadcast from
+    the group's first rank, as torch DDP does, so the replicas start identical.
 
     A post-accumulate-grad hook on every parameter adds a lower-precision gradient into the fp32
     buffer and records that the parameter received a gradient (`ParamSlot.has_grad`): the
@@ -77,6 +83,7 @@ class FlatParams:
                 "(e.g. [(n, p) for n, p in model.named_parameters() if p.requires_grad]): they never get a "
                 "gradient, and the optimizer must not update them"
             )
+        _refuse_repeats(named_params)
         self.group = group
         self.group_size = dist.get_world_size(group)
         self.group_rank = dist.get_rank(group)
@@ -85,6 +92,12 @@ class FlatParams:
         self.grad_dtype = grad_dtype or self.param_dtype
         device = named_params[0][1].device
         shards = self.group_size if self.shard else 1
+        require_same_on_every_rank(
+            group, [f"FlatParams(shard={shard}, grad_dtype={self.grad_dtype}, bucket_numel={bucket_numel})"]
+            + [f"{n!r} {tuple(p.shape)} {p.dtype}" for n, p in named_params],
+            "FlatParams: the parameters", device,
+        )
+        self.reduced = False  # GradientSync.finish() reduced the gradients; cleared by zero_grads() and the optimizer step
         self.slots: list[ParamSlot] = []
         self.buckets: list[Bucket] = []
         # Reverse order: gradients become ready roughly last layer first.
@@ -103,6 +116,8 @@ class FlatParams:
             view = self.param_view(slot)
             view.copy_(slot.param.detach())
             slot.param.data = view
+        if self.group_size > 1:  # replicas start identical (a rank seeded differently would otherwise diverge)
+            dist.broadcast(self.param_buffer, dist.get_global_rank(group, 0), group=group)
         self.grads_bound = self.grad_dtype == self.param_dtype
         for b in self.buckets:
             b.grad_shard = (
@@ -113,10 +128,25 @@ class FlatParams:
         self.zero_grads()
 
     def _make_hook(self, slot: ParamSlot):  # noqa: ANN202
+        param_ptr = self.param_buffer.data_ptr() + slot.start * self.param_buffer.element_size()
+        grad_ptr = self.grad_buffer.data_ptr() + slot.start * self.grad_buffer.element_size()
+
         def hook(param: torch.Tensor) -> None:
+            if slot.numel and param.data_ptr() != param_ptr:
+                raise RuntimeError(
+                    f"{slot.name!r} no longer lives in the FlatParams buffer that the optimizer updates (model.to(), "
+                    ".half(), or param.data = ... after FlatParams was built); expected the model cast and moved first, "
+                    "then FlatParams"
+                )
             if not self.grads_bound:  # fp32 accumulation of a lower-precision gradient
                 self.grad_view(slot).add_(param.grad)
                 param.grad = None
+            elif slot.numel and param.grad.data_ptr() != grad_ptr:
+                # .grad was set to None (model.zero_grad(), torch's default set_to_none) and autograd made a new
+                # one: it holds the whole gradient since then, which the buffer must hold (else it is never reduced)
+                view = self.grad_view(slot)
+                view.copy_(param.grad)
+                param.grad = view
             slot.has_grad = True
 
         return hook
@@ -153,9 +183,72 @@ class FlatParams:
 
     def zero_grads(self) -> None:
         self.grad_buffer.zero_()
+        self.reduced = False
         for slot in self.slots:
             slot.has_grad = False
         self.bind_grads()
+
+
+def _refuse_repeats(named_params: list[tuple[str, nn.Parameter]]) -> None:
+    """One parameter twice (its gradient would count twice) or one name twice (step counts and checkpoints key on it)."""
+    names: dict[str, int] = {}
+    params: dict[int, str] = {}
+    for name, p in named_params:
+        if name in names:
+            raise ValueError(f"FlatParams got the name {name!r} twice: expected one entry per parameter name")
+        if id(p) in params:
+            raise ValueError(f"FlatParams got one parameter twice, as {params[id(p)]!r} and {name!r}: "
+                             "expected each parameter once (model.named_parameters() lists a shared one once)")
+        names[name], params[id(p)] = 0, name
+
+
+def refuse_shared_parameters(flats: list[FlatParams], owner: str) -> None:
+    """A parameter (or name) in two FlatParams would be updated twice and its gradient counted twice."""
+    if not flats:
+        raise ValueError(f"{owner} needs at least one FlatParams, got none")
+    seen: dict[int, tuple[int, str]] = {}
+    names: dict[str, int] = {}
+    for i, flat in enumerate(flats):
+        for slot in flat.slots:
+            if id(slot.param) in seen:
+                j, other = seen[id(slot.param)]
+                raise ValueError(f"{owner}: the parameter {slot.name!r} of flats[{i}] is also {other!r} of flats[{j}]; "
+                                 "expected each parameter in one FlatParams (dense over dp, experts over expert-dp)")
+            if slot.name in names:
+                raise ValueError(f"{owner}: the name {slot.name!r} is in flats[{names[slot.name]}] and flats[{i}]; "
+                                 "expected each parameter name in one FlatParams")
+            seen[id(slot.param)], names[slot.name] = (i, slot.name), i
+
+
+def require_same_on_every_rank(group: dist.ProcessGroup, entries: list[str], what: str, device: torch.device) -> None:
+    """Raise the same ValueError on every rank of `group` unless every rank passed the same entries.
+
+    One all-gather of a 16-byte digest; only when they differ, the entries themselves travel, to name
+    the first one that differs. Without this, ranks holding other shapes pair unrelated elements in
+    the gradient reduction (silently, when the sizes happen to match) or abort inside gloo / NCCL.
+    """
+    size = dist.get_world_size(group)
+    if size == 1:
+        return
+    digest = hashlib.sha256("\n".join(entries).encode()).digest()
+    mine = torch.tensor([int.from_bytes(digest[:8], "little", signed=True), len(entries)], dtype=torch.int64, device=device)
+    everyone = torch.empty(2 * size, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    if bool((everyone.view(size, 2) == everyone[:2]).all()):  # every rank compares the same rows: one verdict
+        return
+    lists: list[list[str] | None] = [None] * size
+    dist.all_gather_object(lists, entries, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    for r in range(1, size):
+        a, b = lists[0], lists[r]
+        if a != b:
+            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            raise ValueError(
+                f"{what} differ across ranks: rank {ranks[0]} has {a[i] if i < len(a) else '(nothing more)'} where "
+                f"rank {ranks[r]} has {b[i] if i < len(b) else '(nothing more)'} ({len(a)} vs {len(b)} entries); "
+                "expected every rank of the group to build the same model "
+                "(same parameter names, shapes and dtype, in the same order)"
+            )
 
 
 def _round_up(n: int, m: int) -> int:

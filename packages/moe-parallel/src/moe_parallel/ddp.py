@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe_parallel.buffers import Bucket, FlatParams, ParamSlot
+from moe_parallel.buffers import Bucket, FlatParams, ParamSlot, refuse_shared_parameters
 
 
 class _Done:
@@ -41,6 +41,9 @@ class GradientSync:
     """
 
     def __init__(self, flats: list[FlatParams], divisor: int, overlap: bool = True):
+        refuse_shared_parameters(flats, "GradientSync")
+        if isinstance(divisor, bool) or not isinstance(divisor, int) or divisor < 1:
+            raise ValueError(f"GradientSync: divisor={divisor!r} must be a positive integer (the dense dp size)")
         self.flats = flats
         self.divisor = divisor
         self.overlap = overlap
@@ -58,10 +61,20 @@ class GradientSync:
         bucket = self.flats[flat_index].buckets[slot.bucket]
 
         def hook(param: torch.Tensor) -> None:
-            if self.final:
-                bucket.pending -= 1
-                if bucket.pending == 0:
-                    self._launch_ready(flat_index)
+            if not self.final:
+                return
+            if slot.arrived:  # a second gradient in the last backward phase (two backward() calls, reentrant checkpoints)
+                if bucket.handle is not None:
+                    raise RuntimeError(
+                        f"GradientSync: {slot.name!r} received another gradient after its bucket's reduction was "
+                        "launched, so that gradient would be left out of the reduction; expected one backward() per "
+                        "micro-batch after begin_backward(final=True) (sum the losses first), or overlap=False"
+                    )
+                return  # its bucket waits: the gradient is still in the buffer when the bucket is reduced
+            slot.arrived = True
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._launch_ready(flat_index)
 
         return hook
 
@@ -76,6 +89,8 @@ class GradientSync:
             for bucket in flat.buckets:
                 bucket.pending = len(bucket.slots)
                 bucket.handle = None
+            for slot in flat.slots:
+                slot.arrived = False
         self._next = [0] * len(self.flats)
 
     def _launch_ready(self, flat_index: int) -> None:
@@ -113,6 +128,7 @@ class GradientSync:
                 bucket.handle = None
                 if self.divisor != 1:
                     bucket.grad_shard.div_(self.divisor)
+            flat.reduced = True
         self.final = False
         self._arm()
 

@@ -23,22 +23,38 @@ load_param_step_counts() carry them through a checkpoint by parameter name.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from moe_parallel.buffers import Bucket, FlatParams
+from moe_parallel.buffers import Bucket, FlatParams, refuse_shared_parameters, require_same_on_every_rank
 
 
 @dataclass
 class AdamWConfig:
+    """Checked on construction (a ValueError names the value): beta1 = 1 would divide by a zero bias
+    correction and eps = 0 would divide 0 by 0 for a zero gradient, both turning weights into NaN."""
+
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still computed and reported)
+
+    def __post_init__(self) -> None:
+        _check_lr(self.lr, "AdamWConfig: lr")
+        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2 or not all(
+            _is_real(b) and 0 <= b < 1 for b in self.betas
+        ):
+            raise ValueError(f"AdamWConfig: betas={self.betas!r} must be two numbers in [0, 1)")
+        for name, value, rule in (("eps", self.eps, "> 0"), ("weight_decay", self.weight_decay, ">= 0"),
+                                  ("grad_clip", self.grad_clip, ">= 0 (0 disables clipping)")):
+            ok = _is_real(value) and math.isfinite(value) and (value > 0 if name == "eps" else value >= 0)
+            if not ok:
+                raise ValueError(f"AdamWConfig: {name}={value!r} must be a finite number {rule}")
 
 
 @dataclass
@@ -65,10 +81,18 @@ class DistributedAdamW:
     slot, expert parameters as its own slice)."""
 
     def __init__(self, flats: list[FlatParams], cfg: AdamWConfig, world: dist.ProcessGroup | None = None):
+        refuse_shared_parameters(flats, "DistributedAdamW")
         if world is None and dist.is_initialized() and dist.get_world_size() > 1:
             raise ValueError(
                 f"DistributedAdamW needs world= (e.g. groups.world) in a job of {dist.get_world_size()} ranks: "
                 "the global gradient norm, the clipping and the skip of a non-finite step must span every rank"
+            )
+        if world is not None:  # the per-parameter flags ride one all-reduce over the world: same slots everywhere
+            require_same_on_every_rank(
+                world, [f"flats[{i}] {s.name!r} {tuple(s.param.shape)} {s.param.dtype}" for i, f in enumerate(flats)
+                        for s in reversed(f.slots)],  # in the order given (slots are laid out last parameter first)
+                "DistributedAdamW: the parameters (expert parameters as this rank's slice)",
+                flats[0].param_buffer.device,
             )
         self.flats = flats
         self.cfg = cfg
@@ -87,6 +111,8 @@ class DistributedAdamW:
     @step_count.setter
     def step_count(self, value: int) -> None:
         """Sets every parameter's count too (a checkpoint that holds only this one count)."""
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"step_count={value!r}: expected an integer >= 0")
         self._step_count = value
         self.param_steps = [[value] * len(f.slots) for f in self.flats]
 
@@ -163,10 +189,20 @@ class DistributedAdamW:
     def step(self, lr: float | None = None) -> OptimizerStepResult:
         """Update from the reduced gradient shards, then refresh the model weights.
 
-        Call after GradientSync.finish(); the gradient buffers are left for the caller to zero.
+        Call after GradientSync.finish(), once per finish(); the gradient buffers are left for the caller to zero.
         """
         cfg = self.cfg
         lr = cfg.lr if lr is None else lr
+        _check_lr(lr, "DistributedAdamW.step: lr")
+        stale = [i for i, flat in enumerate(self.flats) if not flat.reduced]
+        if stale:
+            raise RuntimeError(
+                f"DistributedAdamW.step(): the gradients of flats{stale} were not reduced for this step; expected "
+                "GradientSync.finish() after the last micro-batch's backward, then one step(), then zero_grads() "
+                "(a step without it would read the last step's gradients again, or uninitialised memory)"
+            )
+        for flat in self.flats:  # this step consumes them: a second step() before the next finish() is refused
+            flat.reduced = False
         norm_value, received = self._norm_and_received()
         if not math.isfinite(norm_value):
             self.skipped_steps += 1
@@ -212,6 +248,16 @@ class DistributedAdamW:
         for flat, states in zip(self.flats, self.states):
             for bucket, st in zip(flat.buckets, states):
                 st.master.copy_(flat.param_buffer[bucket.shard_start : bucket.shard_start + bucket.shard_numel])
+
+
+def _is_real(value: object) -> bool:
+    """A Python or NumPy number that is not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_lr(lr: object, what: str) -> None:
+    if not (_is_real(lr) and math.isfinite(lr) and lr >= 0):
+        raise ValueError(f"{what}={lr!r} must be a finite number >= 0")
 
 
 def _received_ranges(pieces: list[tuple[int, int, int]], got: list[bool], steps: list[int]) -> list[tuple[int, int, int]]:
