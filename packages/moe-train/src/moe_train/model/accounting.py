@@ -17,12 +17,10 @@ class ParamCounts:
 def count_params(cfg: ModelConfig) -> ParamCounts:
     d, hd = cfg.d_model, cfg.resolved_head_dim
     attn = d * cfg.num_heads * hd * 2 + d * cfg.num_kv_heads * hd * 2
-    attn += 2 * hd if cfg.qk_norm else 0
-    norms = 2 * d
-    total = active = 0
+    total = active = norm_params(cfg)
     for i in range(cfg.num_layers):
-        total += attn + norms
-        active += attn + norms
+        total += attn
+        active += attn
         if cfg.is_moe_layer(i):
             expert = 3 * d * cfg.expert_hidden
             shared = 3 * d * cfg.shared_expert_hidden
@@ -33,15 +31,23 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
             total += 3 * d * cfg.dense_hidden
             active += 3 * d * cfg.dense_hidden
     embedding = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
-    total += embedding + d
-    active += embedding + d
+    total += embedding
+    active += embedding
     return ParamCounts(total=total, active=active, embedding=embedding)
 
 
+def norm_params(cfg: ModelConfig) -> int:
+    """RMSNorm weights: two per layer (+ per-head q/k norms), the final one. Elementwise, not matmul, weights."""
+    per_layer = 2 * cfg.d_model + (2 * cfg.resolved_head_dim if cfg.qk_norm else 0)
+    return cfg.num_layers * per_layer + cfg.d_model
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
-    """Training FLOPs per token: 6 x active matmul parameters (input embedding excluded) + causal attention."""
+    """Training FLOPs per token: 6 x active matmul parameters (the weights of attention, dense and expert
+    MLPs at top-k, shared experts, routers and the lm head; not the input embedding, a lookup, nor the norm
+    weights) + causal attention."""
     counts = count_params(cfg)
-    matmul_params = counts.active - cfg.vocab_size * cfg.d_model  # the input embedding is a lookup
+    matmul_params = counts.active - cfg.vocab_size * cfg.d_model - norm_params(cfg)  # embedding lookup, norms
     if cfg.tie_embeddings:
         matmul_params += cfg.vocab_size * cfg.d_model
     # QK^T and AV: 2 matmuls x 2 flops x seq x heads*hd, halved by causality, x3 for fwd+bwd.

@@ -34,7 +34,6 @@ class MoELayer(nn.Module):
         )
         # The transport: local by default; expert parallelism swaps in an all-to-all dispatcher.
         self.dispatcher: TokenDispatcher = LocalDispatcher(cfg.num_experts)
-        self.last_dropped: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [B, S, d] -> ([B, S, d], aux loss)."""
@@ -49,12 +48,11 @@ class MoELayer(nn.Module):
         if isinstance(d, LocalDispatcher) and isinstance(d.codec, IdentityCodec):
             # all experts here and nothing to encode: the fused block (gather, SwiGLU, combine in the GEMMs)
             out = moe_ffn(flat.to(dtype), route_map, routed.weights, w1, w2, self.gemm_backend)
-            self.last_dropped = None
         else:
             result = d.dispatch(flat.to(dtype), route_map)
             expert_out = swiglu_experts(result.rows, w1, w2, result.offsets, self.gemm_backend)
             out = d.combine(expert_out, result, routed.weights)
-            self.last_dropped = result.dropped
+            self.router.record_dropped(result.dropped)  # rows past a capacity: counted in the layer's health
         if self.shared_expert is not None:
             out = out + self.shared_expert(flat)
         return out.reshape(shape).to(x.dtype), routed.aux_loss

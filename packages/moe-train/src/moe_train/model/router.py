@@ -12,6 +12,11 @@ from torch import nn
 from moe_train.config import RouterConfig
 
 
+# The scalar health sums a router keeps beside its per-expert load and probability sums (see take_stats).
+STAT_SCALARS = ("tokens", "margin", "lb", "z", "calls", "dropped")
+_DROPPED = STAT_SCALARS.index("dropped")  # the last: counted by the MoE layer after dispatch, not in forward
+
+
 @dataclass
 class RouterOutput:
     """expert_ids: [T, k] int64; weights: [T, k] fp32; aux_loss: weighted lb + z loss (scalar)."""
@@ -31,10 +36,10 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=cfg.expert_bias)
         # Rows routed to each expert since the last bias update (the balancing signal).
         self.register_buffer("step_load", torch.zeros(num_experts), persistent=False)
-        # Health statistics accumulated since the last `pop_health()`; all detached, all on device.
+        # Health sums of the training forwards since the last `take_stats()`; all detached, all on device.
         self.register_buffer("stat_load", torch.zeros(num_experts), persistent=False)
         self.register_buffer("stat_prob", torch.zeros(num_experts), persistent=False)
-        self.register_buffer("stat_scalars", torch.zeros(5), persistent=False)  # tokens, margin, lb, z, calls
+        self.register_buffer("stat_scalars", torch.zeros(len(STAT_SCALARS)), persistent=False)
         # Process group over which "global" balancing-loss counts are summed (set by the parallel runtime).
         self.lb_group: dist.ProcessGroup | None = None
 
@@ -84,11 +89,17 @@ class Router(nn.Module):
                 margin = (top[:, k - 1] - top[:, k]).sum()
             else:
                 margin = torch.zeros((), device=x.device)
-            self.stat_scalars += torch.stack(
+            self.stat_scalars[:_DROPPED] += torch.stack(  # tokens, margin, lb, z, calls
                 [torch.tensor(float(x.shape[0]), device=x.device), margin, lb.detach(), z.detach(),
                  torch.ones((), device=x.device)]
             )
         return RouterOutput(ids, weights, aux)
+
+    @torch.no_grad()
+    def record_dropped(self, rows: torch.Tensor) -> None:
+        """rows: 0-dim count of this layer's rows a capacity limit dropped in one training forward (kept on device)."""
+        if self.training:
+            self.stat_scalars[_DROPPED] += rows
 
     @torch.no_grad()
     def update_expert_bias(self, load: torch.Tensor | None = None) -> None:
@@ -102,25 +113,41 @@ class Router(nn.Module):
         self.step_load.zero_()
 
     @torch.no_grad()
-    def pop_health(self) -> dict[str, float | list[float]]:
-        """Router health since the last call, from one scope: hard fraction f and soft probability P per expert."""
-        tokens, margin, lb, z, calls = self.stat_scalars.tolist()
-        load = self.stat_load.clone()
-        prob = self.stat_prob.clone()
+    def take_stats(self) -> torch.Tensor:
+        """The health sums since the last call, then zeroed: [2E + 6] fp32 = rows routed to each expert [E],
+        routing probability summed per expert [E], then STAT_SCALARS (tokens, top-k margin sum, lb and z loss
+        summed over forwards, forwards, dropped rows). Sums, so one rank's add up with the others' (all-reduce)."""
+        out = torch.cat([self.stat_load, self.stat_prob, self.stat_scalars])
         self.stat_load.zero_()
         self.stat_prob.zero_()
         self.stat_scalars.zero_()
+        return out
+
+    def health(self, stats: torch.Tensor) -> dict[str, float | list[float]]:
+        """Router health from take_stats() sums (one rank's, or summed over ranks): everything from one scope,
+        the tokens those sums cover. {} when they cover none."""
+        e = self.num_experts
+        stats = stats.detach().double().cpu()
+        load, prob = stats[:e], stats[e : 2 * e]
+        tokens, margin, lb, z, calls, dropped = stats[2 * e :].tolist()
         if tokens == 0:
             return {}
         f = load / load.sum().clamp_min(1)
         p = prob / tokens
-        mean_load = load.mean().clamp_min(1e-20)
+        rows = float(load.sum())  # tokens x top_k
         return {
+            "tokens": int(tokens),
             "f": [round(v, 5) for v in f.tolist()],
             "P": [round(v, 5) for v in p.tolist()],
-            "max_over_mean_load": float(load.max() / mean_load),
+            "max_over_mean_load": float(load.max() / load.mean().clamp_min(1e-20)),
             "dead_experts": int((load == 0).sum()),
             "topk_margin": margin / tokens,
             "lb_loss": lb / calls,
             "z_loss": z / calls,
+            "dropped_rows": int(round(dropped)),
+            "dropped_fraction": dropped / rows if rows else 0.0,
         }
+
+    def pop_health(self) -> dict[str, float | list[float]]:
+        """This process's router health since the last call (see health); the trainer reduces over ranks first."""
+        return self.health(self.take_stats())

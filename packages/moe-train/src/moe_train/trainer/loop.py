@@ -18,12 +18,12 @@ from moe_train.model import Transformer, count_params, flops_per_token
 from moe_ckpt import AsyncCheckpointer, capture_rng_state, restore_rng_state, step_of
 from moe_train.trainer import checkpoint as ckpt
 from moe_train.trainer.data_setup import resolve_data_dir
-from moe_train.trainer.metrics import MetricsLog, peak_memory_gib, router_health
+from moe_train.trainer.metrics import MetricsLog, max_over_ranks, peak_memory_gib, router_health
 from moe_train.trainer.mfu import peak_tflops
 from moe_train.trainer.run_lock import RunFolderBusyError, RunFolderLock
 from moe_train.trainer.runtime import Runtime
 from moe_train.trainer.launch import make_runtime
-from moe_train.trainer.schedule import lr_at
+from moe_train.trainer.schedule import lr_at, schedule_change
 from moe_train.trainer.errors import TrainingError
 
 
@@ -166,6 +166,23 @@ class Trainer:
         for r, load in zip(routers, loads):
             r.update_expert_bias(load)
 
+    def _window_metrics(self, tokens: int, seconds: float) -> dict[str, Any]:
+        """The numbers of a metrics record that cover the steps since the previous record, over every rank:
+        throughput of `tokens` (all ranks') trained in `seconds`, peak memory, router health. Every rank calls it."""
+        rt = self.runtime
+        tps = tokens / max(seconds, 1e-9)
+        out: dict[str, Any] = {"step": self.step, "tokens_per_s": tps, "skipped_steps": self.skipped_steps,
+                               "model_tflops_per_gpu": self.flops_per_token * tps / rt.world_size / 1e12}
+        if self.peak:
+            out["mfu"] = out["model_tflops_per_gpu"] / self.peak
+        mem = peak_memory_gib(self.device)
+        if mem is not None:
+            out["peak_mem_gib"] = max_over_ranks(mem, rt.rank, rt.world_size, rt.all_reduce_sum, self.device)
+        health = router_health(self.model, rt.all_reduce_sum)
+        out["dropped_rows"] = sum(h["dropped_rows"] for h in health.values())
+        out["router"] = health
+        return out
+
     # -- checkpoints ------------------------------------------------------------------------
     def _metadata(self) -> dict[str, Any]:
         p = self.cfg.parallel
@@ -206,6 +223,10 @@ class Trainer:
             restore_rng_state(meta["rng"])  # another layout draws its own random streams
         if self.is_main and self.cfg.train.eval_interval > 0:
             change = ckpt.eval_set_change(meta.get("config", {}), self.cfg, self.eval_split_windows, self.step)
+            if change:
+                warnings.warn(change, stacklevel=2)
+        if self.is_main and self.step < self.cfg.train.steps:
+            change = schedule_change(meta.get("config", {}).get("train", {}), self.cfg.train, self.step)
             if change:
                 warnings.warn(change, stacklevel=2)
 
@@ -273,7 +294,8 @@ class Trainer:
         bar = tqdm(total=t.steps, initial=self.step, disable=not (self.is_main and t.progress), unit="step",
                    dynamic_ncols=True, mininterval=1.0)
         last_eval = first_eval
-        window_start, window_tokens = time.perf_counter(), 0
+        # tokens/s: training steps only; the seconds spent on eval and saves (`paused`) leave the window
+        window_start, window_tokens, paused = time.perf_counter(), 0, 0.0
         record: dict[str, Any] = {}
         while self.step < t.steps:
             record = self._train_step()
@@ -283,31 +305,25 @@ class Trainer:
             if self.step % t.log_interval == 0 or self.step == t.steps:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
-                elapsed = time.perf_counter() - window_start
-                tps = window_tokens / max(elapsed, 1e-9)
-                record.update({"step": self.step, "tokens_per_s": tps, "skipped_steps": self.skipped_steps,
-                               "model_tflops_per_gpu": self.flops_per_token * tps / rt.world_size / 1e12})
-                if self.peak:
-                    record["mfu"] = record["model_tflops_per_gpu"] / self.peak
-                mem = peak_memory_gib(self.device)
-                if mem is not None:
-                    record["peak_mem_gib"] = mem
-                dropped = [float(m.last_dropped) for m in self.model.moe_layers() if m.last_dropped is not None]
-                record["dropped_rows"] = sum(dropped)
-                record["router"] = router_health(self.model)
+                elapsed = time.perf_counter() - window_start - paused
+                record.update(self._window_metrics(window_tokens, elapsed))
                 self.log.write(record)
-                post = {"loss": f"{record['loss']:.3f}", "tok/s": f"{tps:,.0f}"}
+                post = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
                 if "mfu" in record:
                     post["mfu"] = f"{record['mfu']:.1%}"
                 bar.set_postfix(post)
-                window_start, window_tokens = time.perf_counter(), 0
+                window_start, window_tokens, paused = time.perf_counter(), 0, 0.0
             if t.eval_interval > 0 and (self.step % t.eval_interval == 0 or self.step == t.steps):
+                started = time.perf_counter()
                 last_eval = self.evaluate()
                 self.log.write({"step": self.step, "eval_loss": last_eval})
                 if self.is_main and t.progress:
                     bar.write(f"step {self.step}: eval loss {last_eval:.4f}")
+                paused += time.perf_counter() - started
             if t.save_interval > 0 and (self.step % t.save_interval == 0 or self.step == t.steps):
+                started = time.perf_counter()
                 self.save()
+                paused += time.perf_counter() - started
         bar.close()
         return {"step": self.step, "first_eval_loss": first_eval, "last_eval_loss": last_eval,
                 "last_loss": record.get("loss"), "skipped_steps": self.skipped_steps}

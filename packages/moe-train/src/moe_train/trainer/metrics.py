@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -82,17 +83,41 @@ def _after(line: str, step: int) -> bool:
         and record["step"] > step
 
 
-def router_health(model: torch.nn.Module) -> dict[str, dict]:
-    """Per MoE layer: f and P per expert, max/mean load, dead experts, top-k margin, lb / z loss."""
+def router_health(model: torch.nn.Module,
+                  all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, dict]:
+    """Per MoE layer: f and P per expert, max/mean load, dead experts, top-k margin, lb / z loss, dropped rows,
+    over every training forward since the last call (all micro-batches of the steps since the last record).
+
+    all_reduce_sum: sums a tensor over every rank (Runtime.all_reduce_sum): each rank routes its own tokens, so
+    the numbers cover the whole job's tokens, not rank 0's share. One collective; every rank must call this."""
+    routers = model.routers()
+    if not routers:
+        return {}
+    parts = [router.take_stats() for _, router in routers]
+    stats = torch.cat(parts)
+    if all_reduce_sum is not None:
+        stats = all_reduce_sum(stats)
+    stats = stats.cpu().split([p.numel() for p in parts])  # one device->host copy for every layer
     out: dict[str, dict] = {}
-    for index, router in model.routers():
-        h = router.pop_health()
+    for (index, router), layer_stats in zip(routers, stats):
+        h = router.health(layer_stats)
         if h:
             out[f"layer{index}"] = h
     return out
 
 
+def max_over_ranks(value: float, rank: int, world_size: int, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+                   device: torch.device) -> float:
+    """The largest of one number per rank, through a sum (each rank fills its own slot); every rank must call it."""
+    if world_size == 1:
+        return value
+    slots = torch.zeros(world_size, dtype=torch.float64, device=device)
+    slots[rank] = value
+    return float(all_reduce_sum(slots).max())
+
+
 def peak_memory_gib(device: torch.device) -> float | None:
+    """This process's peak allocated memory since it started (None off CUDA)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return None
