@@ -17,6 +17,7 @@ from moe_train.data import DataError, WindowSampler, eval_windows, open_data
 from moe_train.model import Transformer, count_params, flops_per_token
 from moe_ckpt import AsyncCheckpointer, capture_rng_state, restore_rng_state, step_of
 from moe_train.trainer import checkpoint as ckpt
+from moe_train.trainer.ctrl_c import CtrlCWatch
 from moe_train.trainer.data_setup import resolve_data_dir
 from moe_train.trainer.metrics import MetricsLog, max_over_ranks, peak_memory_gib, router_health
 from moe_train.trainer.mfu import peak_tflops
@@ -76,6 +77,7 @@ class Trainer:
             self.autocast = self.device.type == "cuda" and t.autocast_bf16
             self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
             self.peak = peak_tflops(self.device)
+            self.ctrl_c = CtrlCWatch()  # a Ctrl-C the garbage collector drops still stops the run
             self.async_saver = AsyncCheckpointer() if t.async_save else None
             # the background writer's barrier must not interleave with training collectives
             self.save_barrier = rt.background_barrier() if t.async_save else None
@@ -239,7 +241,8 @@ class Trainer:
         and leaves no tmp folder (a second Ctrl-C stops the wait; the next save removes what is left).
         The runtime is closed (process groups destroyed) however train() ends."""
         try:
-            summary = self._train()
+            with self.ctrl_c:
+                summary = self._train()
         except BaseException as e:
             self._close_runtime(e)
             raise
@@ -267,6 +270,7 @@ class Trainer:
                     print(f"resumed from {resume_from} at step {self.step} of {t.steps}", flush=True)
             with self.async_saver or nullcontext():
                 summary = self._run(resumed)
+            self.ctrl_c.check()  # one dropped while the last save was settling
         except BaseException as e:
             self._log_stop(e)
             raise
@@ -298,6 +302,7 @@ class Trainer:
         window_start, window_tokens, paused = time.perf_counter(), 0, 0.0
         record: dict[str, Any] = {}
         while self.step < t.steps:
+            self.ctrl_c.check()
             record = self._train_step()
             self.step += 1
             window_tokens += tokens_per_step
