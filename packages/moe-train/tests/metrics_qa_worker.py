@@ -82,5 +82,22 @@ def train_two_ranks(rank: int, ports: list[int], root: str, data_dir: str) -> di
     h.worker_env(rank, 2, ports[1])
     cfg = two_rank_config(Path(root) / "dropless", data_dir)
     cfg.parallel.expert_capacity_factor, cfg.train.steps, cfg.train.eval_interval = 0.0, 1, 1
-    dropless = Trainer(cfg).train()
-    return {"calls": calls, "losses": losses, "summary": summary, "dropless_summary": dropless}
+    cfg.train.save_interval = 1  # the test evaluates the saved weights again in one process
+    trainer = Trainer(cfg)
+    eval_forwards = count_eval_forwards(trainer.model)
+    dropless = trainer.train()
+    return {"calls": calls, "losses": losses, "summary": summary, "dropless_summary": dropless,
+            "eval_forwards": eval_forwards, "dropless_root": str(Path(root) / "dropless")}
+
+
+def count_eval_forwards(model: torch.nn.Module) -> list[int]:
+    """[windows] per forward the model runs in eval mode, in call order."""
+    sizes: list[int] = []
+    loss = model.loss
+
+    def counted(x, y):  # noqa: ANN001, ANN202
+        if not model.training:
+            sizes.append(x.shape[0])
+        return loss(x, y)
+    model.loss = counted
+    return sizes

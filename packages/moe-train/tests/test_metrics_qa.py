@@ -187,9 +187,25 @@ def test_router_health_counts_every_rank_and_micro_batch_of_the_window(two_ranks
         assert abs(before["lb_loss"] - 1) < 0.02 and abs(after["lb_loss"] - 1) < 0.02, (before, after)
         assert before["max_over_mean_load"] < 1.3 < 1.45 < after["max_over_mean_load"], (before, after)
         assert before["dropped_fraction"] < 0.1 < 0.2 < after["dropped_fraction"], (before, after)
-    # eval (dropless): every rank evaluates the same windows and reports the same mean
+
+@pytest.mark.slow
+def test_eval_splits_the_windows_over_data_parallel_ranks_and_every_rank_reports_one_mean(two_ranks, data):
+    """6 eval windows in batches of 2 (3 batches) over DP2 x EP2: rank 0 evaluates batches 0 and 2, rank 1 batch 1
+    and then repeats it uncounted (each forward exchanges rows between the EP ranks, so both run two). Every
+    rank used to evaluate all 6 windows itself. The mean equals one process evaluating the saved weights."""
+    results, _ = two_ranks
+    assert [res["eval_forwards"] for res in results] == [[2, 2] * 2, [2, 2] * 2]  # step 0 and step 1 evals
     evals = [res["dropless_summary"]["last_eval_loss"] for res in results]
     assert evals[0] == evals[1] and math.isfinite(evals[0])
+    root = Path(results[0]["dropless_root"])
+    cfg = w.two_rank_config(root, str(data))
+    cfg.parallel.dp = cfg.parallel.ep = 1
+    cfg.parallel.expert_capacity_factor, cfg.train.steps, cfg.train.eval_interval = 0.0, 1, 1
+    one = Trainer(cfg)
+    one.restore(one.resume_point())
+    assert math.isclose(one.evaluate(), evals[0], rel_tol=1e-5), (one.evaluate(), evals)
+    one.runtime.close()
+    one._release_run_dir()
 
 
 # -- FLOPs, MFU peaks --------------------------------------------------------------------------------------------

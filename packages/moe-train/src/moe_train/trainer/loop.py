@@ -120,14 +120,26 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """The mean loss over the eval set, each window evaluated once: data-parallel rank r takes batches
+        r, r+dp, ... and the sums meet in one all-reduce, so every rank returns the same value. Every rank
+        runs the same number of forwards (expert parallelism exchanges rows in each); a rank with no batch
+        left repeats its first one and counts nothing."""
+        rt = self.runtime
+        batches = self.eval_data
+        rounds = -(-len(batches) // rt.dp_size)
+        total = torch.zeros(2, device=self.device)  # sum of batch-mean losses x windows, windows
         self.model.eval()
-        total = torch.zeros((), device=self.device)
-        for x, y in self.eval_data:  # the mean over windows: batch means weighted by batch size
+        for i in range(rounds):
+            index = rt.dp_rank + i * rt.dp_size
+            x, y = batches[index] if index < len(batches) else batches[rt.dp_rank % len(batches)]
             with self._amp():
                 ce, _ = self.model.loss(x.to(self.device), y.to(self.device))
-            total += ce.float() * x.shape[0]
+            if index < len(batches):
+                total[0] += ce.float() * x.shape[0]
+                total[1] += x.shape[0]
         self.model.train()
-        return float(total) / max(1, sum(x.shape[0] for x, _ in self.eval_data))
+        total = rt.all_reduce_sum(total).tolist()
+        return total[0] / max(1.0, total[1])
 
     def _train_step(self) -> dict[str, float]:
         t, rt = self.cfg.train, self.runtime
