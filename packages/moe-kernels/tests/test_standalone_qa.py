@@ -362,3 +362,13 @@ if __name__ == "__main__":
         except BaseException:  # noqa: BLE001 - pytest.raises' Failed too: reported per check to the parent test
             verdicts[name] = traceback.format_exc()[-2000:]
     print(json.dumps(verdicts))
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_combine_refuses_integer_expert_rows(backend):
+    """int32 expert rows came back as the weighted sum truncated to int32 (weights of 0.3 and 0.7 gave 0 for 1s)."""
+    ids, x, weights, *_ = problem()
+    rm = build_route_map(ids, 5)
+    rows = torch.ones(rm.num_rows, x.shape[1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="expert_out must be floating point .* got dtype=torch.int32"):
+        combine(rows, rm, weights, backend)

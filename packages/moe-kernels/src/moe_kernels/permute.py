@@ -71,6 +71,9 @@ def combine(
     expert_out: [T*k, d] in expert order; weights: [T, k] -> [T, d] in expert_out's dtype.
     """
     check_rows("expert_out", expert_out, "T*k")
+    if not expert_out.dtype.is_floating_point:
+        raise ValueError(f"expert_out must be floating point (a weighted sum of {expert_out.dtype} rows would be "
+                         f"truncated back to {expert_out.dtype}), got dtype={expert_out.dtype}")
     if expert_out.shape[0] != route_map.num_rows:
         raise ValueError(f"expert_out has {expert_out.shape[0]} rows, expected T*k={route_map.num_rows}")
     check_router_weights(weights, expert_out, route_map)
