@@ -210,10 +210,10 @@ def _cmd_prepare(args) -> None:
         raise ConfigError(f"--max-bytes={args.max_bytes} applies to the default corpus only, and inputs were given "
                           f"({len(args.inputs)}); drop one of the two")
     if args.inputs:
-        docs, source = list(text_file_documents(args.inputs)), ",".join(args.inputs)
+        docs, source = text_file_documents(args.inputs), ",".join(args.inputs)  # each file read when tokenized
     else:
         max_bytes = PREPARE_MAX_BYTES if args.max_bytes is None else args.max_bytes
-        docs, source = list(stdlib_documents(max_bytes)), "python-stdlib"
+        docs, source = stdlib_documents(max_bytes), "python-stdlib"
     vocab_size = PREPARE_VOCAB_SIZE if args.vocab_size is None else args.vocab_size
     out = prepare_data(docs, args.out, vocab_size=vocab_size, tokenizer_path=args.tokenizer, source=source)
     print(f"wrote {out}")

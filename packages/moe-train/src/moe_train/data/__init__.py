@@ -1,7 +1,7 @@
-from moe_train.data.corpus import stdlib_documents, text_file_documents
+from moe_train.data.corpus import Documents, stdlib_documents, text_file_documents
 from moe_train.data.prepare import prepare_data, train_bpe
 from moe_train.data.sampler import WindowSampler, eval_windows
 from moe_train.data.token_file import DataError, TokenSplit, open_data
 
 __all__ = ["prepare_data", "train_bpe", "open_data", "DataError", "TokenSplit", "WindowSampler", "eval_windows",
-           "stdlib_documents", "text_file_documents"]
+           "Documents", "stdlib_documents", "text_file_documents"]

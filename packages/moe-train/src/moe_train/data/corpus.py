@@ -1,40 +1,56 @@
-"""The embedded default corpus: the running interpreter's own standard-library source files.
+"""Where prepare-data's documents come from, read a file at a time (a corpus need not fit in memory): the text
+files given, or the embedded default corpus, the running interpreter's own standard-library source files.
 
-It exists on every machine with Python, needs no download, and is deterministic for a given
+The default corpus exists on every machine with Python, needs no download, and is deterministic for a given
 Python build (files are read in sorted order).
 """
 
 from __future__ import annotations
 
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from moe_train.data.token_file import DataError
+
+
+class Documents:
+    """Documents read afresh on every pass over them, e.g. one file at a time: training a BPE reads a corpus
+    twice, and a pretraining corpus does not fit in memory. `read` returns a new iterator over the texts."""
+
+    def __init__(self, read: Callable[[], Iterator[str]]) -> None:
+        self._read = read
+
+    def __iter__(self) -> Iterator[str]:
+        return self._read()
 
 
 def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def stdlib_documents(max_bytes: int) -> Iterator[str]:
-    """Yield source files of the standard library (one document each) until max_bytes are read."""
+def stdlib_documents(max_bytes: int) -> Documents:
+    """Source files of the standard library (one document each) until max_bytes are read."""
     root = stdlib_root()
     files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
     if not files:
         raise FileNotFoundError(f"no .py files under the standard library at {root}")
-    seen = 0
-    for path in files:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        if not text.strip():
-            continue
-        yield text
-        seen += len(text.encode())
-        if seen >= max_bytes:
-            return
+
+    def read() -> Iterator[str]:
+        seen = 0
+        for path in files:
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            if not text.strip():
+                continue
+            yield text
+            seen += len(text.encode())
+            if seen >= max_bytes:
+                return
+
+    return Documents(read)
 
 
 def _read_text(path: Path) -> str:
@@ -46,9 +62,10 @@ def _read_text(path: Path) -> str:
                         "prepare-data reads UTF-8 text files; convert it or leave it out") from None
 
 
-def text_file_documents(paths: list[str]) -> Iterator[str]:
-    """Each given file is one document; folders contribute their *.txt, *.md and *.py files. A file named
-    twice (or both by name and through its folder) is read once; a file that is not UTF-8 is refused."""
+def text_file_documents(paths: list[str]) -> Documents:
+    """Each given file is one document, read when the documents are; folders contribute their *.txt, *.md and
+    *.py files. A file named twice (or both by name and through its folder) is read once; a file that is not
+    UTF-8 is refused. A missing path is refused at once."""
     files: dict[Path, Path] = {}  # resolved -> as given, in order
     for p in map(Path, paths):
         if p.is_dir():
@@ -59,5 +76,4 @@ def text_file_documents(paths: list[str]) -> Iterator[str]:
             raise FileNotFoundError(f"input path {str(p)!r} does not exist")
         for f in found:
             files.setdefault(f.resolve(), f)
-    for f in files.values():
-        yield _read_text(f)
+    return Documents(lambda: map(_read_text, files.values()))

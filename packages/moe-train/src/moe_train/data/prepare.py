@@ -1,4 +1,7 @@
-"""Tokenize text into a data folder: train a byte-level BPE, or use a given tokenizer.json."""
+"""Tokenize text into a data folder: train a byte-level BPE, or use a given tokenizer.json.
+
+It streams: documents are read and tokenized a batch at a time into a token-stream file, which is then split
+into train and eval a chunk at a time, so memory does not grow with the corpus (its BPE word counts aside)."""
 
 from __future__ import annotations
 
@@ -6,34 +9,116 @@ import hashlib
 import os
 import shutil
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from moe_train.data.token_file import FORMAT, DataError, write_meta, write_split
+from moe_train.data.token_file import FORMAT, DataError, SplitWriter, write_meta
 
 EOS = "<|endoftext|>"
 EVAL_BLOCK_TOKENS = 2048
 
 
-def split_blocks(stream: np.ndarray, eval_fraction: float, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """Every round(1/eval_fraction)-th block of `block` tokens is held out, so eval samples the whole corpus."""
+# Documents are tokenized a batch of this many characters at a time (a longer document makes its batch as long).
+# The tokenizer's Encoding objects cost ~80 bytes a token and its work on a document ~150 bytes a character while it
+# runs, so with whole words for tokens prepare-data grows by ~30 MB (2 threads), whatever the corpus's size.
+ENCODE_BATCH_CHARS = 1 << 19
+# The token stream is split into train and eval this many tokens (2 MB) at a time.
+SPLIT_CHUNK_TOKENS = 1 << 19
+
+
+def _eval_blocks(num_tokens: int, eval_fraction: float, block: int) -> tuple[int, np.ndarray]:
+    """Every round(1/eval_fraction)-th block of `block` tokens is held out, so eval samples the whole corpus.
+    Returns the block size (a small corpus gets smaller ones, still spread over all of it) and, per block,
+    whether it is held out."""
     every = max(2, round(1 / eval_fraction))
-    if stream.size < 2 * every * block:  # a small corpus: smaller blocks, still spread over all of it
-        block = max(1, stream.size // (2 * every))
-    n_blocks = max(1, -(-stream.size // block))
+    if num_tokens < 2 * every * block:
+        block = max(1, num_tokens // (2 * every))
+    n_blocks = max(1, -(-num_tokens // block))
     is_eval = np.zeros(n_blocks, dtype=bool)
     is_eval[every // 2 :: every] = True
     if not is_eval.any():
         is_eval[-1] = True
     if is_eval.all():
-        raise DataError(f"the corpus is {stream.size} tokens (documents and their end-of-text tokens), too few to "
+        raise DataError(f"the corpus is {num_tokens} tokens (documents and their end-of-text tokens), too few to "
                         f"hold out an eval split (every {every}th block of tokens); give prepare-data more text")
+    return block, is_eval
+
+
+def split_blocks(stream: np.ndarray, eval_fraction: float, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """stream: [N] uint32 -> (train, eval), in memory: the reference for `_split_stream_file`."""
+    block, is_eval = _eval_blocks(stream.size, eval_fraction, block)
     mask = np.repeat(is_eval, block)[: stream.size]
     return stream[~mask], stream[mask]
+
+
+def _split_stream_file(stream: Path, num_tokens: int, folder: Path, eval_fraction: float,
+                       eos_id: int) -> dict[str, dict[str, int]]:
+    """`split_blocks` on the uint32 file `stream`, a chunk at a time, into the train and eval files of `folder`.
+    Returns each split's tokens and documents, as meta.json records them."""
+    block, is_eval = _eval_blocks(num_tokens, eval_fraction, EVAL_BLOCK_TOKENS)
+    step = block * max(1, SPLIT_CHUNK_TOKENS // block)  # whole blocks per chunk
+    with (open(stream, "rb") as f, SplitWriter(folder, "train", eos_id) as train,
+          SplitWriter(folder, "eval", eos_id) as held_out):
+        for start in range(0, num_tokens, step):
+            chunk = np.fromfile(f, dtype="<u4", count=min(step, num_tokens - start))
+            first = start // block
+            mask = np.repeat(is_eval[first : first + -(-chunk.size // block)], block)[: chunk.size]
+            train.write(chunk[~mask])
+            held_out.write(chunk[mask])
+        counts = {"train": train.finish(), "eval": held_out.finish()}
+    return {name: {"num_tokens": t, "num_docs": d} for name, (t, d) in counts.items()}
+
+
+class _DocumentPass:
+    """One pass over the documents that leaves out empty and whitespace-only ones (they would be an end-of-text
+    token alone), counting what it saw and hashing what it kept: sha256 of "\\x00".join(kept documents)."""
+
+    def __init__(self, docs: Iterable[str]) -> None:
+        self.docs, self.given, self.kept, self.sha256 = docs, 0, 0, hashlib.sha256()
+
+    def __iter__(self) -> Iterator[str]:
+        for doc in self.docs:
+            self.given += 1
+            if doc.strip():
+                if self.kept:
+                    self.sha256.update(b"\x00")
+                self.sha256.update(doc.encode())
+                self.kept += 1
+                yield doc
+
+    def require_documents(self) -> None:
+        if not self.kept:
+            raise DataError(f"no documents to tokenize: {self.given} given, " + (
+                "all empty or whitespace" if self.given else "expected .txt, .md or .py files with text"))
+
+
+def _encode_to_file(docs: Iterable[str], tok: Tokenizer, eos_id: int, path: Path) -> int:
+    """Tokenize `docs` a batch at a time into the uint32 file `path`, each document followed by eos_id.
+    Returns the number of tokens written."""
+    eos = np.array([eos_id], dtype=np.uint32)
+    written = 0
+    with open(path, "wb") as f:
+        for batch in _batches(docs, ENCODE_BATCH_CHARS):
+            ids = np.concatenate([a for e in tok.encode_batch_fast(batch) for a in (np.asarray(e.ids, np.uint32), eos)])
+            ids.astype("<u4", copy=False).tofile(f)
+            written += ids.size
+    return written
+
+
+def _batches(docs: Iterable[str], max_chars: int) -> Iterator[list[str]]:
+    batch, chars = [], 0
+    for doc in docs:
+        batch.append(doc)
+        chars += len(doc)
+        if chars >= max_chars:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
 
 
 # Runs of non-space characters are cut into pieces of at most this many before the byte-level
@@ -74,12 +159,14 @@ def _load_tokenizer(path: str) -> Tokenizer:
         raise DataError(f"--tokenizer {path!r}: not a Hugging Face tokenizer.json ({e})") from None
 
 
-def _build(docs: list[str], tmp: Path, vocab_size: int, tokenizer_path: str | None, eval_fraction: float,
+def _build(docs: Iterable[str], tmp: Path, vocab_size: int, tokenizer_path: str | None, eval_fraction: float,
            source: str) -> None:
     if tokenizer_path:
         tok = _load_tokenizer(tokenizer_path)
     else:
-        tok = train_bpe(docs, vocab_size)
+        training = _DocumentPass(docs)
+        tok = train_bpe(training, vocab_size)
+        training.require_documents()
         if tok.get_vocab_size() < vocab_size:
             got = tok.get_vocab_size()
             warnings.warn(f"vocab_size={vocab_size} asked for, but the corpus gives only {got} tokens (no more pairs "
@@ -91,18 +178,16 @@ def _build(docs: list[str], tmp: Path, vocab_size: int, tokenizer_path: str | No
     # A document's text "<|endoftext|>" (code about tokenizers, say) is text, not the end of the document. Set
     # after saving: the tokenizer.json users load keeps the library's default.
     tok.encode_special_tokens = True
-    eos = np.array([eos_id], dtype=np.uint32)
-    stream = np.concatenate([a for e in tok.encode_batch_fast(docs) for a in (np.asarray(e.ids, dtype=np.uint32), eos)])
-    train, held_out = split_blocks(stream, eval_fraction, EVAL_BLOCK_TOKENS)
-    n_train, d_train = write_split(tmp, "train", train, eos_id)
-    n_eval, d_eval = write_split(tmp, "eval", held_out, eos_id)
-    digest = hashlib.sha256("\x00".join(docs).encode()).hexdigest()[:16]
+    # The split depends on the corpus's token count: the whole stream goes to a file first, then is split.
+    encoding, stream = _DocumentPass(docs), tmp / "stream.u32"
+    num_tokens = _encode_to_file(encoding, tok, eos_id, stream)
+    encoding.require_documents()
+    splits = _split_stream_file(stream, num_tokens, tmp, eval_fraction, eos_id)
+    stream.unlink()
     write_meta(tmp, {
         "format": FORMAT, "vocab_size": tok.get_vocab_size(), "eos_id": eos_id, "tokenizer": "tokenizer.json",
-        "source": source, "corpus_sha256_16": digest,
-        "eval_block_tokens": EVAL_BLOCK_TOKENS,
-        "splits": {"train": {"num_tokens": n_train, "num_docs": d_train},
-                   "eval": {"num_tokens": n_eval, "num_docs": d_eval}},
+        "source": source, "corpus_sha256_16": encoding.sha256.hexdigest()[:16],
+        "eval_block_tokens": EVAL_BLOCK_TOKENS, "splits": splits,
     })
 
 
@@ -167,18 +252,19 @@ def _install(tmp: Path, out: Path) -> None:
 
 
 def prepare_data(
-    docs: list[str], out: str | Path, vocab_size: int = 4096, tokenizer_path: str | None = None,
+    docs: Iterable[str], out: str | Path, vocab_size: int = 4096, tokenizer_path: str | None = None,
     eval_fraction: float = 0.02, source: str = "",
 ) -> Path:
     """Write a data folder at `out` (built in a temporary folder, then renamed). Returns its path.
-    Empty and whitespace-only documents are left out (they would be an end-of-text token alone)."""
+    `docs` is read once per pass, never held whole: twice when a BPE is trained here (a list, or `Documents` such
+    as `text_file_documents(...)`, which reads its files afresh each pass), once with `tokenizer_path` (a
+    generator will do). Empty and whitespace-only documents are left out (they would be an end-of-text token
+    alone)."""
     out = Path(os.path.abspath(out)) if Path(out).name in ("", "..") else Path(out)  # "--out ." has a name to rename
+    if tokenizer_path is None and iter(docs) is docs:
+        raise TypeError(f"docs is a one-shot iterator ({type(docs).__name__}), and training a BPE reads the documents "
+                        "twice: pass a list, moe_train.data.Documents, or a tokenizer_path")
     _check_replaceable(out)
-    given = len(docs)
-    docs = [d for d in docs if d.strip()]
-    if not docs:
-        raise DataError(f"no documents to tokenize: {given} given, " + ("all empty or whitespace" if given else
-                        "expected .txt, .md or .py files with text"))
     _remove_leftovers(out)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -188,6 +274,6 @@ def prepare_data(
         _check_replaceable(out)  # nothing of someone else's arrived there while we worked
         _install(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind: a file found bad late included
         raise
     return out

@@ -39,15 +39,44 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def write_split(folder: Path, name: str, tokens: np.ndarray, eos_id: int) -> tuple[int, int]:
-    """Write one split (documents ended by eos_id); returns (tokens, documents)."""
-    tokens = np.asarray(tokens, dtype=np.uint32)
-    ends = (np.flatnonzero(tokens == eos_id) + 1).tolist()
-    if tokens.size and (not ends or ends[-1] != tokens.size):
-        ends.append(tokens.size)  # a block cut inside a document still ends the split
-    _atomic_write_bytes(folder / f"{name}.u32", tokens.astype("<u4").tobytes())
-    _atomic_write_bytes(folder / f"{name}.docs.u64", np.asarray(ends, dtype="<u8").tobytes())
-    return int(tokens.size), len(ends)
+class SplitWriter:
+    """Writes one split a chunk of tokens at a time: `{name}.u32`, and `{name}.docs.u64` with the end of every
+    document (each ended by eos_id), whose last entry is the split's end even where a block cut a document.
+    A context manager: leaving it closes both files, finished or not."""
+
+    def __init__(self, folder: Path, name: str, eos_id: int) -> None:
+        self.eos_id, self.num_tokens, self.num_docs, self._last_end = eos_id, 0, 0, 0
+        self._tokens = open(folder / f"{name}.u32", "wb")
+        self._ends = open(folder / f"{name}.docs.u64", "wb")
+
+    def write(self, tokens: np.ndarray) -> None:
+        """tokens: [n] uint32, the split's next ones."""
+        tokens = np.asarray(tokens, dtype="<u4")
+        self._write_ends(np.flatnonzero(tokens == self.eos_id) + (self.num_tokens + 1))
+        tokens.tofile(self._tokens)
+        self.num_tokens += tokens.size
+
+    def finish(self) -> tuple[int, int]:
+        """Put the files on disk (not only in the page cache); returns (tokens, documents)."""
+        if self.num_tokens and self._last_end != self.num_tokens:  # a block cut inside a document ends the split
+            self._write_ends(np.array([self.num_tokens]))
+        for f in (self._tokens, self._ends):
+            f.flush()
+            os.fsync(f.fileno())
+        return self.num_tokens, self.num_docs
+
+    def _write_ends(self, ends: np.ndarray) -> None:
+        ends.astype("<u8").tofile(self._ends)
+        self.num_docs += ends.size
+        if ends.size:
+            self._last_end = int(ends[-1])
+
+    def __enter__(self) -> SplitWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._tokens.close()
+        self._ends.close()
 
 
 def write_meta(folder: Path, meta: dict) -> None:
