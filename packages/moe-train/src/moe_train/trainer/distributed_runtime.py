@@ -78,9 +78,6 @@ class DistributedRuntime:
         experts = [(n, q) for n, q in named if n in expert_names]
         if experts:
             flats.append(FlatParams(experts, self.groups.edp, p.distributed_optimizer, grad_dtype))
-        for flat in flats:  # same seed everywhere already; make replicas bit-identical regardless
-            if flat.group_size > 1:
-                dist.broadcast(flat.param_buffer, dist.get_global_rank(flat.group, 0), group=flat.group)
         self.sync = GradientSync(flats, divisor=self.dp_size, overlap=self.overlap)
         self.optimizer = DistributedAdamW(
             flats, AdamWConfig(t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay, t.grad_clip), self.groups.world
