@@ -147,6 +147,26 @@ def test_version_names_all_five_packages_torch_and_triton(capsys):
         assert shown == (torch.__version__ if name == "torch" else version(name))  # torch's with its CUDA build
 
 
+@pytest.mark.parametrize("command", ["train", "bench", "info", "prepare-data", "export-hf"])
+def test_version_after_a_command_prints_the_versions(command, nothing_runs, capsys):
+    """`moe-train train --version` was refused as an override named "version" with no value."""
+    assert exit_status([command, "--version"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"moe-train {version('moe-train')}"
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--model.num_experts=", "override --model.num_experts=: the value is empty; expected an integer"),
+    ("--model.head_dim=", "override --model.head_dim=: the value is empty; expected an integer (`null` for none)"),
+    ("--train.lr= ", "override --train.lr= : the value is empty; expected a number"),
+    ("--model.dense_layers=", "the value is empty; expected a list like [0, 1] ([] for none)"),
+    ("--train.resume=", "the value is empty; expected true or false"),
+])
+def test_an_empty_override_names_what_the_field_expects(override, message, nothing_runs, capsys):
+    """An empty value was read as YAML's null: "model.num_experts=None: expected an integer" named a None nobody typed."""
+    assert exit_status(["train", override]) == 2
+    assert message in one_line_error(capsys)
+
+
 @pytest.mark.parametrize("command", ["inspect", "export-hf"])
 @pytest.mark.parametrize("layout", ["metrics_only", "empty_checkpoints", "partial_save"])
 def test_a_run_without_checkpoints_is_named_in_one_line(command, layout, tmp_path, nothing_runs, capsys):

@@ -155,6 +155,8 @@ def _parser() -> _Parser:
     s.add_argument("--tokenizer", type=_path, default=None, help="an existing tokenizer.json instead of training a BPE")
     s.add_argument("--max-bytes", type=int, default=None,
                    help=f"how much of the default corpus to read, when no inputs are given (default {PREPARE_MAX_BYTES})")
+    for command in sub.choices.values():  # `moe-train train --version` too, not an override named "version"
+        command.add_argument("--version", action=_VersionAction, help="print the versions and exit")
     p.commands = tuple(sub.choices)
     return p
 

@@ -219,6 +219,14 @@ def _yaml_error(where: str, e: yaml.YAMLError) -> ConfigError:
     return ConfigError(f"{where}: invalid YAML at {at}: {why}")
 
 
+def _kind(annotation: Any) -> str:
+    """What a field of this type takes, in words, for messages."""
+    annotation = optional_inner(annotation) or annotation
+    if typing.get_origin(annotation) is list:
+        return "a list like [0, 1] ([] for none)"
+    return {bool: "true or false", int: "an integer", float: "a number"}.get(annotation, "a value")
+
+
 def read_override(dotted: str, text: str) -> Any:
     """The value of `--dotted=text`: what a config file holding `dotted: text` gives, with the same checks
     (`~` is null, 0710 is refused, [0] is a list), except that a string field takes the text as typed (the
@@ -227,6 +235,9 @@ def read_override(dotted: str, text: str) -> Any:
     if annotation is None or str in (annotation, optional_inner(annotation)):
         return text  # a string as typed; a key that is no field is named by set_field
     where = f"override --{dotted}={text}"
+    if not text.strip():  # YAML reads "" as null: the message would name a None nobody typed
+        null = " (`null` for none)" if optional_inner(annotation) is not None else ""
+        raise ConfigError(f"{where}: the value is empty; expected {_kind(annotation)}{null}")
     try:
         return _read_yaml(text, dotted, where)
     except yaml.YAMLError as e:
