@@ -282,3 +282,23 @@ def test_a_path_starting_with_a_tilde_means_the_home_folder_on_the_command_line_
     cfg = build_config(yaml_path=str(run))
     assert cfg.data.path == f"{home}/corpus" and cfg.train.run_dir == f"{home}/runs/y"
     assert build_config(overrides={"train.run_dir": "runs/~x"}).train.run_dir == "runs/~x"  # only a leading ~
+
+
+@pytest.mark.parametrize("warmup,warns", [(5, True), (4, False), (0, False)])
+def test_a_warmup_longer_than_the_run_is_named_when_the_trainer_starts(warmup, warns, tmp_path, data_dir, make_config):
+    """warmup_steps > steps was legal and silent: the lr never reached train.lr and never decayed."""
+    import warnings
+
+    from moe_train.trainer.loop import Trainer
+
+    cfg = make_config(tmp_path, steps=4, eval_interval=0, save_interval=0)
+    cfg.data.path = str(data_dir)
+    cfg.train.warmup_steps, cfg.train.lr = warmup, 1e-3
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = Trainer(cfg)
+    trainer.runtime.close()
+    trainer._release_run_dir()
+    named = [str(w.message) for w in caught if "train.warmup_steps" in str(w.message)]
+    assert named == ([f"train.warmup_steps=5 > train.steps=4: the whole run warms up, its lr peaks at lr x 4/5 = "
+                      "0.0008 (train.lr=0.001) and never decays"] if warns else [])

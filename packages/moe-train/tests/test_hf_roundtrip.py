@@ -27,6 +27,9 @@ VARIANTS = {
     "qwen2_moe": dict(qk_norm=False, shared_expert_hidden=24, dense_layers=[0], router=dict(top_k=2)),
     "glm4_moe": dict(qk_norm=True, shared_expert_hidden=16, dense_layers=[0],
                      router=dict(gating="sigmoid", top_k=2, expert_bias=True)),
+    # a sigmoid router trained without the selection bias: it came back as expert_bias=True (a live zero bias)
+    "glm4_moe_no_bias": dict(qk_norm=True, shared_expert_hidden=16, dense_layers=[0],
+                             router=dict(gating="sigmoid", top_k=2, expert_bias=False)),
     "llama": dict(num_experts=0, tie_embeddings=True),
 }
 
@@ -70,6 +73,7 @@ def test_hf_to_ours_to_hf_is_bit_identical(variant, dtype, tmp_path):
     export_hf(model, first, dtype=dtype, extra_config={"eos_token_id": 3, "max_position_embeddings": 256})
     cfg, state = import_hf(first, ckpt)
     assert cfg.model.num_experts == model.cfg.num_experts and cfg.model.router.gating == model.cfg.router.gating
+    assert cfg.model.router.expert_bias == model.cfg.router.expert_bias
     if dtype == "fp32":  # our tensors come back exactly, and load strictly into a fresh model
         for name, t in model.state_dict().items():
             assert torch.equal(state[name], t), name
@@ -223,3 +227,12 @@ def test_import_never_writes_into_the_hf_folder_it_reads_nor_over_foreign_files(
     import_hf(hf, tmp_path / "ours")  # over an earlier import: allowed
     # a folder without tokenizer.json gives an import without one
     assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == sorted(set(hf_bridge.IMPORT_FILES) - {"tokenizer.json"})
+
+
+def test_the_no_expert_bias_marker_must_be_a_boolean(tmp_path):
+    export_hf(make_model(**VARIANTS["glm4_moe_no_bias"]), tmp_path, dtype="fp32")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["moe_train_expert_bias"] is False
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "moe_train_expert_bias": "no"}))
+    with pytest.raises(HFConversionError, match="moe_train_expert_bias='no': expected true or false"):
+        open_hf_folder(tmp_path)

@@ -12,6 +12,7 @@ from moe_train.config import Config, ConfigError
 from moe_train.model import Transformer, count_params, flops_per_token
 from moe_train.trainer.launch import make_runtime
 from moe_train.trainer.loop import pick_device
+from moe_train.trainer.metrics import max_over_ranks
 from moe_train.trainer.mfu import peak_tflops
 
 
@@ -60,7 +61,10 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    slowest, peak_mem_max = _max_over_ranks(runtime, elapsed, peak_mem)
+    # the slowest rank's time and the largest peak memory over the job
+    slowest, peak_mem_max = max_over_ranks([elapsed, peak_mem or 0.0], runtime.rank, runtime.world_size,
+                                           runtime.all_reduce_sum, runtime.device)
+    peak_mem_max = peak_mem_max if peak_mem is not None else None
     runtime.close()
     tokens = steps * t.grad_accum * mb * seq
     tps = tokens / elapsed
@@ -80,14 +84,3 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
         "tokens_per_s_all_ranks": tokens * runtime.world_size / slowest,
         "rank": runtime.rank,
     }
-
-
-def _max_over_ranks(runtime, elapsed: float, peak_mem: float | None) -> tuple[float, float | None]:
-    """The slowest rank's time and the largest peak memory over the job (the runtime's one collective is a sum:
-    each rank fills its own slot)."""
-    if runtime.world_size == 1:
-        return elapsed, peak_mem
-    slots = torch.zeros(2, runtime.world_size, dtype=torch.float64, device=runtime.device)
-    slots[0, runtime.rank], slots[1, runtime.rank] = elapsed, peak_mem or 0.0
-    slots = runtime.all_reduce_sum(slots).max(dim=1).values.tolist()
-    return slots[0], (slots[1] if peak_mem is not None else None)

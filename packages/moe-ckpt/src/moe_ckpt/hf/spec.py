@@ -20,6 +20,10 @@ from typing import Any
 EXTRA_KEYS = ("max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
 DEFAULT_EXTRA: dict[str, Any] = {"max_position_embeddings": 4096}
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+# GLM-4-MoE always has a selection bias (e_score_correction_bias); a sigmoid router trained without one is
+# exported with a zero bias and this key set to false, so import gives back router.expert_bias=False (the bias
+# stays zero and is not trained) rather than a live zero bias. transformers keeps the key as an attribute.
+NO_EXPERT_BIAS_KEY = "moe_train_expert_bias"
 
 ARCH = {
     "llama": "LlamaForCausalLM",
@@ -152,6 +156,8 @@ def to_hf_config(m: dict[str, Any], model_type: str, dtype: str, extra: dict[str
         c.update(n_routed_experts=m["num_experts"], n_shared_experts=m["shared_expert_hidden"] // m["expert_hidden"],
                  first_k_dense_replace=len(dense), n_group=1, topk_group=1, routed_scaling_factor=1.0,
                  use_qk_norm=m["qk_norm"], attention_bias=False, num_nextn_predict_layers=0)
+        if not r["expert_bias"]:  # exported as a zero e_score_correction_bias; import reads this back
+            c[NO_EXPERT_BIAS_KEY] = False
     return c
 
 
@@ -217,8 +223,11 @@ def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         _need(c, "topk_group", c.get("topk_group", 1) == 1, "1")
         _need(c, "routed_scaling_factor", c.get("routed_scaling_factor", 1.0) == 1.0, "1.0")
         _need(c, "num_nextn_predict_layers", not c.get("num_nextn_predict_layers", 0), "0 (no multi-token prediction)")
-        # Sigmoid routers are trained with the selection bias (e_score_correction_bias); keep it live.
-        router.update(gating="sigmoid", expert_bias=True)
+        # Sigmoid routers are trained with the selection bias (e_score_correction_bias); keep it live, unless
+        # our own export says the model had none (its bias is then zeros, which the tensor check verifies).
+        live = c.get(NO_EXPERT_BIAS_KEY, True)
+        _need(c, NO_EXPERT_BIAS_KEY, isinstance(live, bool), "true or false", live)
+        router.update(gating="sigmoid", expert_bias=live)
         m.update(num_experts=c["n_routed_experts"], dense_layers=list(range(c.get("first_k_dense_replace", 1))),
                  shared_expert_hidden=c.get("n_shared_experts", 1) * c["moe_intermediate_size"])
     return m, extra

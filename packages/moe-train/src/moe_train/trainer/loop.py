@@ -67,6 +67,10 @@ class Trainer:
             if self.device.type == "cpu" and t.seed >= 2**32 and self.is_main:
                 warnings.warn(f"train.seed={t.seed}: torch's CPU generator keeps the low 32 bits of a seed, so on "
                               f"the CPU this run initialises as train.seed={t.seed % 2**32} does", stacklevel=2)
+            if t.warmup_steps > t.steps and self.is_main:
+                warnings.warn(f"train.warmup_steps={t.warmup_steps} > train.steps={t.steps}: the whole run warms up, "
+                              f"its lr peaks at lr x {t.steps}/{t.warmup_steps} = {t.lr * t.steps / t.warmup_steps:.3g} "
+                              f"(train.lr={t.lr:g}) and never decays", stacklevel=2)
             torch.manual_seed(t.seed)
             self.model = rt.setup(Transformer(cfg.model, device="meta"))  # each rank allocates only its slice
             self.run_dir = Path(t.run_dir)
@@ -191,7 +195,7 @@ class Trainer:
             out["mfu"] = out["model_tflops_per_gpu"] / self.peak
         mem = peak_memory_gib(self.device)
         if mem is not None:
-            out["peak_mem_gib"] = max_over_ranks(mem, rt.rank, rt.world_size, rt.all_reduce_sum, self.device)
+            out["peak_mem_gib"] = max_over_ranks([mem], rt.rank, rt.world_size, rt.all_reduce_sum, self.device)[0]
         health = router_health(self.model, rt.all_reduce_sum)
         out["dropped_rows"] = sum(h["dropped_rows"] for h in health.values())
         out["router"] = health

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -106,14 +106,15 @@ def router_health(model: torch.nn.Module,
     return out
 
 
-def max_over_ranks(value: float, rank: int, world_size: int, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
-                   device: torch.device) -> float:
-    """The largest of one number per rank, through a sum (each rank fills its own slot); every rank must call it."""
+def max_over_ranks(values: Sequence[float], rank: int, world_size: int,
+                   all_reduce_sum: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> list[float]:
+    """The largest of each number over the ranks, in one collective through a sum (each rank fills its own
+    slot); every rank must call it with as many values."""
     if world_size == 1:
-        return value
-    slots = torch.zeros(world_size, dtype=torch.float64, device=device)
-    slots[rank] = value
-    return float(all_reduce_sum(slots).max())
+        return [float(v) for v in values]
+    slots = torch.zeros(len(values), world_size, dtype=torch.float64, device=device)
+    slots[:, rank] = torch.tensor(values, dtype=torch.float64)
+    return all_reduce_sum(slots).max(dim=1).values.tolist()
 
 
 def peak_memory_gib(device: torch.device) -> float | None:
