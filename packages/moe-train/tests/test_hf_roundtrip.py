@@ -236,3 +236,18 @@ def test_the_no_expert_bias_marker_must_be_a_boolean(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "moe_train_expert_bias": "no"}))
     with pytest.raises(HFConversionError, match="moe_train_expert_bias='no': expected true or false"):
         open_hf_folder(tmp_path)
+
+
+@pytest.mark.parametrize("key,named", [
+    ("head_dim", "config.json has no head_dim, taken as hidden_size // num_attention_heads = 8"),
+    ("num_key_value_heads", "config.json has no num_key_value_heads, taken as num_attention_heads = 4"),
+])
+def test_a_config_without_head_keys_names_them_when_the_attention_shapes_disagree(key, named, tmp_path):
+    """head_dim 16 (not d / heads = 8) and 2 KV heads: a config.json without those keys failed on a tensor shape
+    without saying which key was missing (transformers' class defaults differ: Qwen3's head_dim is 128)."""
+    export_hf(make_model(**{**VARIANTS["qwen3_moe"], "head_dim": 16}), tmp_path, dtype="fp32")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg[key]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(HFConversionError, match=r"model\.layers\.0\.self_attn\..* has shape .*" + named):
+        open_hf_folder(tmp_path)

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from moe_ckpt.hf.layout import Entry, build_plan, from_hf
-from moe_ckpt.hf.spec import ARCH, HFConversionError, from_hf_config
+from moe_ckpt.hf.spec import ARCH, HFConversionError, from_hf_config, head_dim
 
 
 @dataclass
@@ -105,6 +105,18 @@ def _shapes(folder: Path, files: dict[str, str]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _attention_defaults_hint(name: str, hf_config: dict[str, Any], model_config: dict[str, Any]) -> str:
+    """For an attention tensor of the wrong shape: the head keys config.json leaves out, and what was assumed
+    for them (transformers' class defaults differ by model and version: Qwen3's head_dim is 128)."""
+    missing = [key for key in ("head_dim", "num_key_value_heads") if hf_config.get(key) is None]
+    if ".self_attn." not in name or not missing:
+        return ""
+    taken = {"head_dim": f"hidden_size // num_attention_heads = {head_dim(model_config)}",
+             "num_key_value_heads": f"num_attention_heads = {model_config['num_kv_heads']}"}
+    return (f"; config.json has no {' or '.join(missing)}, taken as " + ", ".join(taken[k] for k in missing)
+            + ": add the key(s) with the values the weights were made with")
+
+
 def open_hf_folder(folder: str | Path) -> HFFolder:
     """Check config.json and every tensor (names, shapes); raise HFConversionError naming the first problem."""
     root = Path(folder)
@@ -130,7 +142,8 @@ def open_hf_folder(folder: str | Path) -> HFFolder:
             raise HFConversionError(f"tensor {name} (shape {list(shape)}) is missing from {str(root)!r}")
         if shapes[name] != shape:
             raise HFConversionError(
-                f"tensor {name} has shape {list(shapes[name])}, expected {list(shape)} from config.json")
+                f"tensor {name} has shape {list(shapes[name])}, expected {list(shape)} from config.json"
+                + _attention_defaults_hint(name, hf_config, model_config))
     unexpected = sorted(set(shapes) - set(expected))
     if unexpected:
         raise HFConversionError(
