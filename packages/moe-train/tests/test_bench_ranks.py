@@ -27,3 +27,28 @@ def test_bench_under_two_ranks_reports_once_for_the_whole_job(tmp_path):
     assert printed["world_size"] == 2 and "rank" not in printed
     # every rank's tokens over the slowest rank's time: at most twice this rank's rate
     assert 0 < printed["tokens_per_s_all_ranks"] <= 2 * printed["tokens_per_s"] * 1.0001
+
+
+def test_max_over_ranks_takes_each_numbers_largest_in_one_collective():
+    """bench reports the slowest rank's time and the largest peak memory through trainer.metrics.max_over_ranks
+    (it had its own copy for two numbers; the shared one took one). The collective is faked: each rank's sum
+    adds the other ranks' slots."""
+    import torch
+
+    from moe_train.trainer.metrics import max_over_ranks
+
+    per_rank = [[1.5, 0.0], [4.0, 2.0], [2.5, 7.0]]
+    calls = []
+
+    def sum_with_others(rank):
+        def all_reduce_sum(slots):
+            calls.append(rank)
+            others = torch.tensor([[v if r != rank else 0.0 for r, v in enumerate(col)] for col in zip(*per_rank)],
+                                  dtype=torch.float64)
+            return slots + others
+        return all_reduce_sum
+
+    cpu = torch.device("cpu")
+    got = [max_over_ranks(v, rank, 3, sum_with_others(rank), cpu) for rank, v in enumerate(per_rank)]
+    assert got == [[4.0, 7.0]] * 3 and calls == [0, 1, 2]
+    assert max_over_ranks([1.5, 0.25], 0, 1, sum_with_others(0), cpu) == [1.5, 0.25] and calls == [0, 1, 2]

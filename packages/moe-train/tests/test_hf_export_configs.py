@@ -2,9 +2,9 @@
 
 The export mapping itself (logits, padding, KV-cache generation, import) is exercised over many shapes in
 test_hf_export.py and test_hf_roundtrip.py; these tests pin what the folder's JSON tells a reader: the RoPE
-keys transformers 4 reads, token ids that are not left to class defaults, the trained context length, the
-keys an imported config.json may leave out, which refusal a user sees first, and model fields the export
-does not know.
+and dtype keys older readers use, the no-expert-bias marker, token ids that are not left to class defaults,
+the trained context length, the keys an imported config.json may leave out, which refusal a user sees first,
+and model fields the export does not know.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from moe_ckpt.hf import HFConversionError, export_hf_folder, from_hf_config
 from moe_train.cli import main
 from moe_train.config import Config, ModelConfig, RouterConfig, validate
-from moe_train.hf_bridge import export_hf
+from moe_train.hf_bridge import export_hf, import_hf
 from moe_train.model import Transformer
 from moe_train.presets import get_preset
 
@@ -84,6 +84,49 @@ def test_a_reader_of_the_legacy_rope_keys_computes_our_function(shape, tmp_path)
     tokens = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (model(tokens)[0] - hf(tokens).logits).abs().max().item() <= 1e-4
+
+
+
+@pytest.mark.parametrize("dtype,stored", [("bf16", torch.bfloat16), ("fp32", torch.float32)])
+def test_config_json_names_the_dtype_of_the_stored_weights_for_old_and_new_readers(dtype, stored, tmp_path):
+    """Before: only `dtype` was written, which transformers >= 4.56 reads; transformers 4.x before that, and
+    tools that read config.json themselves, read `torch_dtype` and found none. Here the folder is also read
+    as such a reader sees it (`dtype` removed). GLM's e_score_correction_bias is stored fp32 in every export."""
+    model = make_model(**SHAPES["glm4_moe"])
+    export_hf_folder(dataclasses.asdict(model.cfg), model.state_dict(), tmp_path, dtype=dtype)
+    tensors = {name: t for f in tmp_path.glob("*.safetensors") for name, t in load_file(f).items()}
+    assert {t.dtype for name, t in tensors.items() if not name.endswith(".e_score_correction_bias")} == {stored}
+    cfg = read_json(tmp_path / "config.json")
+    assert cfg["torch_dtype"] == cfg["dtype"] == str(stored).removeprefix("torch.")
+    assert transformers.AutoConfig.from_pretrained(str(tmp_path)).torch_dtype == stored
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype="auto")
+    assert hf.get_input_embeddings().weight.dtype == stored
+    del cfg["dtype"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert transformers.AutoConfig.from_pretrained(str(tmp_path)).torch_dtype == stored
+
+
+
+def test_the_no_expert_bias_marker_refuses_a_selection_bias_that_is_no_longer_zero(tmp_path):
+    """A sigmoid router without expert bias exports a zero e_score_correction_bias and moe_train_expert_bias=false,
+    and imports back without the bias. A folder whose bias was changed afterwards would compute differently: it
+    is refused naming the tensor; without the marker the same folder imports with the bias live."""
+    model = make_model(**{**SHAPES["glm4_moe"], "router": dict(gating="sigmoid", top_k=2, expert_bias=False)})
+    export(model, tmp_path / "hf")
+    assert read_json(tmp_path / "hf" / "config.json")["moe_train_expert_bias"] is False
+    assert import_hf(tmp_path / "hf", tmp_path / "ours")[0].model.router.expert_bias is False
+    name, file = "model.layers.1.mlp.gate.e_score_correction_bias", tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(file)
+    assert tensors[name].dtype == torch.float32 and not tensors[name].any()
+    tensors[name][2] = 0.5
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(HFConversionError, match=rf"tensor {name} is not all zeros \(max \|x\| = 0\.5\)"):
+        import_hf(tmp_path / "hf", tmp_path / "refused")
+    cfg = read_json(tmp_path / "hf" / "config.json")
+    del cfg["moe_train_expert_bias"]
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    config, state = import_hf(tmp_path / "hf", tmp_path / "live")
+    assert config.model.router.expert_bias is True and state["blocks.1.mlp.router.expert_bias"][2] == 0.5
 
 
 def test_unknown_token_ids_are_written_null_not_left_to_class_defaults(tmp_path):

@@ -118,7 +118,10 @@ def to_hf_config(m: dict[str, Any], model_type: str, dtype: str, extra: dict[str
     if dtype not in DTYPES:
         raise HFConversionError(f"dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
     c: dict[str, Any] = {
-        "architectures": [ARCH[model_type]], "model_type": model_type, "dtype": DTYPES[dtype],
+        # transformers >= 4.56 reads dtype; older ones, and tools reading config.json themselves, torch_dtype.
+        # Both name the export dtype (GLM's e_score_correction_bias is written fp32: transformers keeps it fp32).
+        "architectures": [ARCH[model_type]], "model_type": model_type,
+        "dtype": DTYPES[dtype], "torch_dtype": DTYPES[dtype],
         "vocab_size": m["vocab_size"], "hidden_size": m["d_model"], "num_hidden_layers": m["num_layers"],
         "num_attention_heads": m["num_heads"], "num_key_value_heads": m["num_kv_heads"], "head_dim": head_dim(m),
         "hidden_act": "silu", "rms_norm_eps": m["norm_eps"], "tie_word_embeddings": m["tie_embeddings"],
