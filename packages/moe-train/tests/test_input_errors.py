@@ -176,7 +176,8 @@ def test_a_run_stopped_by_non_finite_losses_exits_1_with_one_line(capsys, small_
     """Weights of 1e38 overflow fp32 in the first forward: every step is non-finite, and the run
     stops after train.max_skipped_steps of them with one line (exit 1: the input was valid)."""
     argv = train_args(small_data, tmp_path, "--model.init_std=1e38", "--train.max_skipped_steps=2", "--train.steps=5",
-                      "--data.seq_len=8", "--train.micro_batch_size=1", "--train.eval_interval=0", "--train.save_interval=0")
+                      "--train.warmup_steps=1", "--data.seq_len=8", "--train.micro_batch_size=1",
+                      "--train.eval_interval=0", "--train.save_interval=0")
     assert main(argv) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("moe-train: training stopped:") and "non-finite" in lines[0], lines
