@@ -120,7 +120,8 @@ def test_the_no_expert_bias_marker_refuses_a_selection_bias_that_is_no_longer_ze
     assert tensors[name].dtype == torch.float32 and not tensors[name].any()
     tensors[name][2] = 0.5
     save_file(tensors, file, metadata={"format": "pt"})
-    with pytest.raises(HFConversionError, match=rf"tensor {name} is not all zeros \(max \|x\| = 0\.5\)"):
+    with pytest.raises(HFConversionError, match=rf"tensor {name} is not all zeros \(max \|x\| = 0\.5\): config.json's "
+                                                r"moe_train_expert_bias=false says .*; remove that key"):
         import_hf(tmp_path / "hf", tmp_path / "refused")
     cfg = read_json(tmp_path / "hf" / "config.json")
     del cfg["moe_train_expert_bias"]

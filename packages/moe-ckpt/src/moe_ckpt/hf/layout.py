@@ -120,10 +120,10 @@ def from_hf(entry: Entry, ts: list[torch.Tensor]) -> torch.Tensor | None:
     if entry.kind == "zeros":
         for (name, _), t in zip(entry.hf, ts):
             if t.numel() and bool(t.ne(0).any()):
-                raise HFConversionError(
-                    f"tensor {name} is not all zeros (max |x| = {t.abs().max().item():.3g}): moe-train has no "
-                    "counterpart for it (a learned shared-expert gate or a selection bias the config turns off)"
-                )
+                why = ("config.json's moe_train_expert_bias=false says the router had no selection bias; remove "
+                       "that key to import this bias live" if name.endswith(".e_score_correction_bias") else
+                       "a learned shared-expert gate has no counterpart in moe-train")
+                raise HFConversionError(f"tensor {name} is not all zeros (max |x| = {t.abs().max().item():.3g}): {why}")
         return None
     if entry.kind == "copy":
         return ts[0]
