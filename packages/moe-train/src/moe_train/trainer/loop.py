@@ -127,7 +127,7 @@ class Trainer:
         """The mean loss over the eval set, each window evaluated once: data-parallel rank r takes batches
         r, r+dp, ... and the sums meet in one all-reduce, so every rank returns the same value. Every rank
         runs the same number of forwards (expert parallelism exchanges rows in each); a rank with no batch
-        left repeats its first one and counts nothing."""
+        left repeats one (its first, or batch dp_rank % batches) and counts nothing."""
         rt = self.runtime
         batches = self.eval_data
         rounds = -(-len(batches) // rt.dp_size)
