@@ -10,7 +10,7 @@ from tokenizers import Tokenizer
 
 from moe_train.cli import main
 from moe_train.data import DataError, open_data, prepare_data, text_file_documents
-from moe_train.data.prepare import EOS, split_blocks
+from moe_train.data.prepare import EOS, eval_blocks
 
 TEXT = "".join(f"def f{i}(x):\n    return x * {i}  # the quick brown fox\n\n" for i in range(200))
 
@@ -41,7 +41,7 @@ def test_empty_documents_are_left_out_of_the_corpus(tmp_path, data_dir):
 def test_a_corpus_too_small_to_split_is_a_data_error_not_a_traceback():
     """It was a bare ValueError: a traceback from the command line instead of one line and exit 2."""
     with pytest.raises(DataError, match=r"the corpus is 1 tokens .* too few to hold out an eval split"):
-        split_blocks(np.zeros(1, dtype=np.uint32), 0.02, 2048)
+        eval_blocks(1, 0.02, 2048)
 
 
 def test_prepare_refuses_a_file_that_is_not_utf8_naming_it_and_the_byte(tmp_path, capsys):

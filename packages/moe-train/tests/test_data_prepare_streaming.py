@@ -16,9 +16,16 @@ from tokenizers import Tokenizer
 from moe_train.cli import main
 from moe_train.data import Documents, prepare_data, text_file_documents, train_bpe
 from moe_train.data import prepare as prepare_mod
-from moe_train.data.prepare import EOS, EVAL_BLOCK_TOKENS, split_blocks
+from moe_train.data.prepare import EOS, EVAL_BLOCK_TOKENS, eval_blocks
 
 FILES = ["eval.docs.u64", "eval.u32", "meta.json", "tokenizer.json", "train.docs.u64", "train.u32"]
+
+
+def split_blocks(stream: np.ndarray, eval_fraction: float, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """stream: [N] uint32 -> (train, eval), in memory, as prepare_data split before it streamed."""
+    block, is_eval = eval_blocks(stream.size, eval_fraction, block)
+    mask = np.repeat(is_eval, block)[: stream.size]
+    return stream[~mask], stream[mask]
 
 
 def reference_splits(docs: list[str], tokenizer_json: str, eval_fraction: float) -> dict[str, bytes]:

@@ -30,7 +30,7 @@ ENCODE_BATCH_CHARS = 1 << 19
 SPLIT_CHUNK_TOKENS = 1 << 19
 
 
-def _eval_blocks(num_tokens: int, eval_fraction: float, block: int) -> tuple[int, np.ndarray]:
+def eval_blocks(num_tokens: int, eval_fraction: float, block: int) -> tuple[int, np.ndarray]:
     """Every round(1/eval_fraction)-th block of `block` tokens is held out, so eval samples the whole corpus.
     Returns the block size (a small corpus gets smaller ones, still spread over all of it) and, per block,
     whether it is held out."""
@@ -48,18 +48,11 @@ def _eval_blocks(num_tokens: int, eval_fraction: float, block: int) -> tuple[int
     return block, is_eval
 
 
-def split_blocks(stream: np.ndarray, eval_fraction: float, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """stream: [N] uint32 -> (train, eval), in memory: the reference for `_split_stream_file`."""
-    block, is_eval = _eval_blocks(stream.size, eval_fraction, block)
-    mask = np.repeat(is_eval, block)[: stream.size]
-    return stream[~mask], stream[mask]
-
-
 def _split_stream_file(stream: Path, num_tokens: int, folder: Path, eval_fraction: float,
                        eos_id: int) -> dict[str, dict[str, int]]:
-    """`split_blocks` on the uint32 file `stream`, a chunk at a time, into the train and eval files of `folder`.
+    """The uint32 file `stream` split by `eval_blocks`, a chunk at a time, into the train and eval files of `folder`.
     Returns each split's tokens and documents, as meta.json records them."""
-    block, is_eval = _eval_blocks(num_tokens, eval_fraction, EVAL_BLOCK_TOKENS)
+    block, is_eval = eval_blocks(num_tokens, eval_fraction, EVAL_BLOCK_TOKENS)
     step = block * max(1, SPLIT_CHUNK_TOKENS // block)  # whole blocks per chunk
     with (open(stream, "rb") as f, SplitWriter(folder, "train", eos_id) as train,
           SplitWriter(folder, "eval", eos_id) as held_out):
