@@ -26,6 +26,11 @@ FALSE_WORDS = ("false", "0", "no", "off")
 NULL_WORDS = ("~", "null", "none")  # YAML's null, and Python's spelling of it
 
 
+# what a field of each type takes, in words, for error messages
+_EXPECTED: dict[Any, str] = {bool: "true or false", int: "an integer", float: "a number"}
+_EXPECTED_LIST = "a list like [0, 1] ([] for none)"
+
+
 def _is_null(raw: Any) -> bool:
     return raw is None or (isinstance(raw, str) and raw.lower() in NULL_WORDS)
 
@@ -41,7 +46,7 @@ def _coerce(name: str, raw: Any, annotation: Any) -> Any:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is list:
         if not isinstance(raw, list):  # a bare 0 could mean layer 0 or no layers: neither is guessed
-            raise ConfigError(f"{name}={raw!r}: expected a list like [0, 1] ([] for none)")
+            raise ConfigError(f"{name}={raw!r}: expected {_EXPECTED_LIST}")
         return [_coerce(f"{name}[]", v, args[0]) for v in raw]
     if annotation is bool:
         if isinstance(raw, bool):
@@ -50,16 +55,16 @@ def _coerce(name: str, raw: Any, annotation: Any) -> Any:
             return bool(raw)
         if isinstance(raw, str) and raw.lower() in TRUE_WORDS + FALSE_WORDS:
             return raw.lower() in TRUE_WORDS
-        raise ConfigError(f"{name}={raw!r}: expected true or false")
+        raise ConfigError(f"{name}={raw!r}: expected {_EXPECTED[bool]}")
     if annotation is int:
         return _integer(name, raw)
     if annotation is float:
         if isinstance(raw, bool):
-            raise ConfigError(f"{name}={raw!r}: expected a number")
+            raise ConfigError(f"{name}={raw!r}: expected {_EXPECTED[float]}")
         try:
             return float(raw)
         except (TypeError, ValueError, OverflowError):  # OverflowError: an int past float's range
-            raise ConfigError(f"{name}={raw!r}: expected a number") from None
+            raise ConfigError(f"{name}={raw!r}: expected {_EXPECTED[float]}") from None
     if annotation is str:
         if _is_null(raw):
             raise ConfigError(f"{name}={raw!r}: expected a string; this field cannot be null")
@@ -84,7 +89,7 @@ def _integer(name: str, raw: Any) -> int:
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value.is_integer()):
-        raise ConfigError(f"{name}={raw!r}: expected an integer")
+        raise ConfigError(f"{name}={raw!r}: expected {_EXPECTED[int]}")
     if abs(value) >= 2**53:  # from here on floats step by 2 or more: the written integer may be lost
         raise ConfigError(f"{name}={raw!r}: expected an integer written in digits (a float this large is rounded)")
     return int(value)
@@ -223,8 +228,8 @@ def _kind(annotation: Any) -> str:
     """What a field of this type takes, in words, for messages."""
     annotation = optional_inner(annotation) or annotation
     if typing.get_origin(annotation) is list:
-        return "a list like [0, 1] ([] for none)"
-    return {bool: "true or false", int: "an integer", float: "a number"}.get(annotation, "a value")
+        return _EXPECTED_LIST
+    return _EXPECTED.get(annotation, "a value")
 
 
 def read_override(dotted: str, text: str) -> Any:
