@@ -157,3 +157,25 @@ def test_meta_built_expert_slice_initialises_like_the_whole_model():
     other = Transformer(cfg, device="meta")
     materialize(other, torch.device("cpu"), seed=12)
     assert not torch.equal(other.embed.weight, whole.embed.weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_matches_the_fp32_formula_and_keeps_the_input_dtype(dtype):
+    from moe_train.model.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    norm = RMSNorm(37, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(37, generator=g))
+    x = (torch.randn(5, 3, 37, generator=g) * 4).to(dtype).requires_grad_()
+    y = norm(x)
+    xf = x.detach().float().requires_grad_()
+    w = norm.weight.detach().clone().requires_grad_()
+    ref = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.float(), ref.to(dtype).float(), rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6)
+    gy = torch.randn(y.shape, generator=g)
+    y.backward(gy.to(dtype))
+    ref.backward(gy.to(dtype).float())
+    torch.testing.assert_close(x.grad.float(), xf.grad.to(dtype).float(), rtol=1e-4 if dtype == torch.float32 else 2e-2, atol=1e-5)
+    torch.testing.assert_close(norm.weight.grad, w.grad, rtol=1e-4, atol=1e-4)
