@@ -9,6 +9,7 @@ one pass over master, moments and gradient, no temporaries; decoupled decay on m
 Global-norm clipping: every rank adds the squared norm of the gradient shards it uniquely owns
 (dense and expert groups alike) and one all-reduce over the world gives the global norm. A
 non-finite norm skips the whole step on every rank (they all see the same norm) and is counted.
+The clip factor is the fused kernel's grad_scale: no extra pass over the gradients.
 
 Parameters without a gradient: as torch.optim.AdamW skips a parameter whose .grad is None, a
 parameter that received no gradient on any rank during the step (FlatParams records each
@@ -209,9 +210,11 @@ class DistributedAdamW:
             return OptimizerStepResult(norm_value, True)
         clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         coef = min(clip / (norm_value + 1e-6), 1.0)  # as torch.nn.utils.clip_grad_norm_
+        device = self.flats[0].param_buffer.device
+        # clipping folded into the fused update (no pass that rewrites every gradient shard)
+        grad_scale = torch.tensor(1.0 / coef, dtype=torch.float32, device=device) if coef < 1.0 else None
         self._step_count += 1
         beta1, beta2 = cfg.betas
-        device = self.flats[0].param_buffer.device
         step_tensors: dict[int, torch.Tensor] = {}  # one per distinct count (usually one), as the kernel wants tensors
         for flat, states, steps, got in zip(self.flats, self.states, self.param_steps, received):
             steps[:] = [n + 1 if g else n for n, g in zip(steps, got)]
@@ -220,9 +223,7 @@ class DistributedAdamW:
                     step_tensors[n] = torch.full((), float(n), dtype=torch.float32, device=device)
             for bucket, st in zip(flat.buckets, states):
                 g = bucket.grad_shard
-                g = g.float() if g.dtype != torch.float32 else g  # an fp32 shard is scaled in place (zeroed after the step)
-                if coef < 1.0:
-                    g.mul_(coef)
+                g = g.float() if g.dtype != torch.float32 else g
                 for pieces, decay in ((st.decay, cfg.weight_decay), (st.no_decay, 0.0)):
                     ranges = _received_ranges(pieces, got, steps)
                     if ranges:
@@ -230,6 +231,7 @@ class DistributedAdamW:
                         torch._fused_adamw_(
                             *views, [], [step_tensors[n] for _, _, n in ranges], lr=lr, beta1=beta1, beta2=beta2,
                             weight_decay=decay, eps=cfg.eps, amsgrad=False, maximize=False,
+                            grad_scale=grad_scale,  # the kernel divides each gradient by it as it reads it
                         )
             self._refresh(flat, states)
         return OptimizerStepResult(norm_value, False)
