@@ -9,7 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from moe_precision.cast import cast_weight
 
 KNOWN_RECIPES = ("bf16",)
 PLANNED_RECIPES = ("mxfp8",)
@@ -28,11 +31,26 @@ class PrecisionRecipe:
             raise ValueError(f"precision recipe {self.name!r} is unknown; expected one of {KNOWN_RECIPES}")
 
     def linear(self, in_features: int, out_features: int, bias: bool = False) -> nn.Module:
-        """The dense linear layer for this recipe: x: [..., in] -> [..., out]."""
-        return nn.Linear(in_features, out_features, bias=bias)
+        """The dense linear layer for this recipe: x: [..., in] -> [..., out]. An nn.Linear (same
+        parameters and state_dict) whose weight reaches the GEMM through `gemm_weight`."""
+        return Bf16Linear(in_features, out_features, bias=bias)
 
     def expert_gemm_dtype(self, x: torch.Tensor) -> torch.dtype:
         """The dtype grouped expert GEMMs run in for input x (the autocast dtype when enabled)."""
         if torch.is_autocast_enabled(x.device.type):
             return torch.get_autocast_dtype(x.device.type)
         return x.dtype
+
+    def gemm_weight(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Weight w as the GEMM with input x consumes it (expert_gemm_dtype), differentiable, its
+        gradient cast back to w's dtype by a fast kernel (cast.cast_weight)."""
+        return cast_weight(w, self.expert_gemm_dtype(x))
+
+
+class Bf16Linear(nn.Linear):
+    """nn.Linear whose weight is cast for the GEMM by `cast_weight` (autocast would cast it too, with
+    torch's slower gradient cast back to fp32); autocast still casts the input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else self.weight.dtype
+        return F.linear(x, cast_weight(self.weight, dtype), self.bias)

@@ -42,8 +42,8 @@ class MoELayer(nn.Module):
         routed = self.router(flat)
         route_map = build_route_map(routed.expert_ids, self.num_experts)
         dtype = self.recipe.expert_gemm_dtype(flat)
-        w1 = self.experts.w_gate_up.to(dtype)
-        w2 = self.experts.w_down.to(dtype)
+        w1 = self.recipe.gemm_weight(self.experts.w_gate_up, flat)  # in `dtype`; the gradient cast back fast
+        w2 = self.recipe.gemm_weight(self.experts.w_down, flat)
         d = self.dispatcher
         if isinstance(d, LocalDispatcher) and isinstance(d.codec, IdentityCodec):
             # all experts here and nothing to encode: the fused block (gather, SwiGLU, combine in the GEMMs)

@@ -55,7 +55,7 @@ class Transformer(nn.Module):
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
             self.blocks = nn.ModuleList(Block(cfg, i, recipe) for i in range(cfg.num_layers))
             self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            self.lm_head = recipe.linear(cfg.d_model, cfg.vocab_size)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self._rope_cache: tuple[int, torch.device, torch.Tensor, torch.Tensor] | None = None

@@ -1,0 +1,115 @@
+"""Profile training steps of a preset on one GPU: where a step's GPU time goes, by kernel family.
+
+usage (GPU machine, repo root, after `source tools/gpu_env.sh`):
+    python3 tools/profile_train_step.py --preset fine-grained-e8 [--steps 2] [--warmup 3] [--out F.json]
+        [any moe-train override, e.g. --train.activation_checkpointing=full]
+
+Runs the path `moe-train bench` runs (same runtime, synthetic tokens), then profiles `--steps`
+optimizer steps with torch.profiler and prints: the step's wall time, GPU busy time, GPU time per
+kernel family (GEMM, attention, Triton, optimizer, elementwise/reduction, copies, collectives) and
+the top kernels by GPU time. --out writes the same as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from moe_train.config_io import build_config, parse_overrides
+from moe_train.model import Transformer
+from moe_train.trainer.launch import make_runtime
+from moe_train.trainer.loop import pick_device
+
+FAMILIES = (  # first match wins
+    ("collective", r"nccl|allreduce|all_to_all|alltoall"),
+    ("attention", r"flash|fmha|attention|sdpa|efficient_attention"),
+    ("optimizer", r"adam|multi_tensor|foreach"),
+    ("gemm", r"gemm|cutlass|nvjet|sm90_xmma|matmul|grouped_mm|_mm_|cublas"),
+    ("triton", r"^triton|_kernel$"),
+    ("copy", r"memcpy|memset|copy"),
+    ("elementwise", r"."),
+)
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for fam, pattern in FAMILIES:
+        if re.search(pattern, low):
+            return fam
+    return "elementwise"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", required=True)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out")
+    args, overrides = ap.parse_known_args()
+    cfg = build_config(args.preset, None, parse_overrides(overrides))
+    t, m = cfg.train, cfg.model
+    device = pick_device(t.device)
+    torch.manual_seed(t.seed)
+    runtime = make_runtime(cfg, device)
+    model = runtime.setup(Transformer(m, device="meta"))
+    seq, mb = cfg.data.seq_len, t.micro_batch_size
+    g = torch.Generator(device="cpu").manual_seed(t.seed)
+    batches = [torch.randint(0, m.vocab_size, (mb, seq + 1), generator=g).to(runtime.device) for _ in range(2)]
+
+    def one_step(i: int) -> None:
+        for micro in range(t.grad_accum):
+            b = batches[(i + micro) % len(batches)]
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=t.autocast_bf16):
+                ce, aux = model.loss(b[:, :-1], b[:, 1:])
+            runtime.backward((ce + aux) / t.grad_accum, last_micro_batch=micro == t.grad_accum - 1)
+        runtime.step(t.lr)
+
+    for i in range(args.warmup):
+        one_step(i)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(args.steps):
+            one_step(i)
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) * 1e3 / args.steps
+    per_kernel: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[ev.name] += ev.device_time / 1e3 / args.steps  # ms per step
+            count[ev.name] += 1
+    fams: dict[str, float] = defaultdict(float)
+    for name, ms in per_kernel.items():
+        fams[family(name)] += ms
+    busy = sum(per_kernel.values())
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]
+    report = {
+        "preset": args.preset, "overrides": overrides, "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(), "step_wall_ms_profiled": wall_ms, "gpu_busy_ms": busy,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "families_ms": dict(sorted(fams.items(), key=lambda kv: -kv[1])),
+        "top_kernels": [{"name": n[:140], "ms": round(ms, 3), "calls": count[n] // args.steps} for n, ms in top],
+    }
+    runtime.close()
+    print(f"{args.preset} {' '.join(overrides)}: step {wall_ms:.1f} ms wall (profiled), GPU busy {busy:.1f} ms, "
+          f"peak {report['peak_mem_gib']:.1f} GiB")
+    for fam, ms in report["families_ms"].items():
+        print(f"  {fam:12s} {ms:8.2f} ms  {ms / busy:6.1%}")
+    for k in report["top_kernels"]:
+        print(f"  {k['ms']:8.3f} ms  x{k['calls']:<4d} {k['name']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
