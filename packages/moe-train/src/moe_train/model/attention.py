@@ -8,7 +8,8 @@ from torch import nn
 
 from moe_precision import PrecisionRecipe
 from moe_train.config import ModelConfig
-from moe_train.model.layers import RMSNorm, apply_rope
+from moe_train.model.layers import RMSNorm
+from moe_train.model.rope import apply_rope
 
 
 class Attention(nn.Module):

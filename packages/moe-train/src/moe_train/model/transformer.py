@@ -13,7 +13,8 @@ from torch import nn
 from moe_precision import PrecisionRecipe
 from moe_train.config import ModelConfig
 from moe_train.model.attention import Attention
-from moe_train.model.layers import RMSNorm, SwiGLU, rope_tables
+from moe_train.model.layers import RMSNorm, SwiGLU
+from moe_train.model.rope import rope_tables
 from moe_train.model.moe import MoELayer, RoutedExperts
 from moe_train.model.router import Router
 
