@@ -92,11 +92,14 @@ def main() -> None:
         fams[family(name)] += ms
     busy = sum(per_kernel.values())
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]
+    ops = sorted(((e.key, e.self_device_time_total / 1e3 / args.steps, e.count // args.steps)
+                  for e in prof.key_averages() if e.self_device_time_total > 0), key=lambda r: -r[1])[: args.top]
     report = {
         "preset": args.preset, "overrides": overrides, "torch": torch.__version__,
         "device": torch.cuda.get_device_name(), "step_wall_ms_profiled": wall_ms, "gpu_busy_ms": busy,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
         "families_ms": dict(sorted(fams.items(), key=lambda kv: -kv[1])),
+        "top_ops": [{"op": k, "ms": round(ms, 3), "calls": c} for k, ms, c in ops],
         "top_kernels": [{"name": n[:140], "ms": round(ms, 3), "calls": count[n] // args.steps} for n, ms in top],
     }
     runtime.close()
@@ -106,6 +109,9 @@ def main() -> None:
         print(f"  {fam:12s} {ms:8.2f} ms  {ms / busy:6.1%}")
     for k in report["top_kernels"]:
         print(f"  {k['ms']:8.3f} ms  x{k['calls']:<4d} {k['name']}")
+    print("  by operator (self GPU time):")
+    for o in report["top_ops"]:
+        print(f"  {o['ms']:8.3f} ms  x{o['calls']:<4d} {o['op']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
