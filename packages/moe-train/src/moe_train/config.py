@@ -81,6 +81,10 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
+    # after warmup: cosine | linear (to lr * min_lr_ratio at the end) | constant | wsd (warmup-stable-decay:
+    # lr held, then a linear decay to lr * min_lr_ratio over the last lr_decay_fraction of the steps)
+    lr_schedule: str = "cosine"
+    lr_decay_fraction: float = 0.2  # wsd only
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -126,6 +130,10 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# The learning-rate shapes after warmup (trainer/schedule.py lr_at).
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 
 
 # Fields that no longer exist: a config that sets one is refused with the reason (configs stored in
@@ -248,6 +256,8 @@ def validate(cfg: Config) -> Config:
     _check(t.lr > 0, "train.lr", t.lr, "> 0")
     _check(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", t.min_lr_ratio, "in [0, 1]")
     _check(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, ">= 0")
+    _choice("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
+    _check(0 < t.lr_decay_fraction <= 1, "train.lr_decay_fraction", t.lr_decay_fraction, "in (0, 1]")
     _check(t.eval_interval >= 0 and t.save_interval >= 0, "train.eval_interval/save_interval",
            (t.eval_interval, t.save_interval), ">= 0 (0 disables)")
     _check(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, ">= 0 (0 disables)")

@@ -24,7 +24,7 @@ from moe_train.trainer.mfu import peak_tflops
 from moe_train.trainer.run_lock import RunFolderBusyError, RunFolderLock
 from moe_train.trainer.runtime import Runtime
 from moe_train.trainer.launch import make_runtime
-from moe_train.trainer.schedule import lr_at, schedule_change
+from moe_train.trainer.schedule import schedule_change, train_lr_at
 from moe_train.trainer.errors import TrainingError
 
 
@@ -156,7 +156,7 @@ class Trainer:
             rt.backward((ce + aux) / t.grad_accum, last_micro_batch=micro == t.grad_accum - 1)
             ce_sum += ce.detach().float()
             aux_sum += aux.detach().float()
-        lr = lr_at(self.step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
+        lr = train_lr_at(self.step, t)
         result = rt.step(lr)
         self._update_expert_bias()
         stats = rt.all_reduce_sum(torch.stack([ce_sum, aux_sum]) / (t.grad_accum * rt.dp_size)).tolist()

@@ -7,20 +7,44 @@ from typing import Any
 
 from torch import nn
 
-from moe_train.config import TrainConfig
+from moe_train.config import LR_SCHEDULES, TrainConfig
 
 
-def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float) -> float:
+def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float, schedule: str = "cosine",
+          decay_fraction: float = 0.2) -> float:
     """The lr of step `step` (0-based) of `total`: linear warmup to base_lr over `warmup` steps (step 0 already
-    at base_lr/warmup), then cosine decay that would reach base_lr*min_ratio at step `total`, one past the last.
+    at base_lr/warmup), then `schedule` (config.LR_SCHEDULES), each of which would reach base_lr*min_ratio at
+    step `total`, one past the last:
+      cosine    half a cosine from base_lr down;
+      linear    a straight line down;
+      constant  base_lr throughout (min_ratio unused);
+      wsd       base_lr held, then a straight line down over the last decay_fraction*total steps (at least
+                one); the decay never starts inside the warmup.
     warmup >= total: the whole run warms up and never decays (its last step at base_lr*total/warmup)."""
     if warmup > 0 and step < warmup:
         return base_lr * (step + 1) / warmup
+    if schedule == "constant":
+        return base_lr
+    if schedule == "wsd":
+        decay_start = max(warmup, total - max(1, round(decay_fraction * total)))
+        progress = min(1.0, max(0, step - decay_start) / max(1, total - decay_start))
+        return base_lr * (1 - (1 - min_ratio) * progress)
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    if schedule == "linear":
+        return base_lr * (1 - (1 - min_ratio) * progress)
+    if schedule == "cosine":
+        return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    raise ValueError(f"lr schedule {schedule!r} is unknown; expected one of {LR_SCHEDULES}")
+
+
+def train_lr_at(step: int, t: TrainConfig) -> float:
+    """lr_at for a train config."""
+    return lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio, t.lr_schedule, t.lr_decay_fraction)
 
 
 SCHEDULE_FIELDS = ("lr", "warmup_steps", "steps", "min_lr_ratio")
+# fields newer than checkpoints of moe-train <= 0.8: a stored train section without them ran with these
+SCHEDULE_DEFAULTS = {"lr_schedule": "cosine", "lr_decay_fraction": 0.2}
 
 
 def schedule_change(saved: dict[str, Any], train: TrainConfig, step: int) -> str | None:
@@ -30,11 +54,15 @@ def schedule_change(saved: dict[str, Any], train: TrainConfig, step: int) -> str
     give this step the same lr (or the checkpoint's schedule is unknown)."""
     if not all(k in saved for k in SCHEDULE_FIELDS):
         return None
-    then = lr_at(step, saved["lr"], saved["warmup_steps"], saved["steps"], saved["min_lr_ratio"])
-    now = lr_at(step, train.lr, train.warmup_steps, train.steps, train.min_lr_ratio)
+    saved = {**SCHEDULE_DEFAULTS, **saved}
+    if saved["lr_schedule"] not in LR_SCHEDULES:
+        return None
+    then = lr_at(step, *(saved[k] for k in SCHEDULE_FIELDS), saved["lr_schedule"], saved["lr_decay_fraction"])
+    now = train_lr_at(step, train)
     if math.isclose(now, then, rel_tol=1e-9):
         return None
-    diffs = [f"train.{k}: {saved[k]} -> {getattr(train, k)}" for k in SCHEDULE_FIELDS if saved[k] != getattr(train, k)]
+    diffs = [f"train.{k}: {saved[k]} -> {getattr(train, k)}" for k in (*SCHEDULE_FIELDS, *SCHEDULE_DEFAULTS)
+             if saved[k] != getattr(train, k)]
     return (f"the learning-rate schedule differs from the checkpoint's run ({'; '.join(diffs)}): step {step + 1} "
             f"runs at lr={now:.4g}, where the schedule of the run that wrote the checkpoint gives {then:.4g}")
 
