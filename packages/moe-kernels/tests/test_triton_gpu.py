@@ -287,3 +287,45 @@ def test_out_of_range_expert_id_trips_a_device_assert():
     assert "device-side assert" in proc.stderr or "assert" in proc.stderr.lower(), proc.stderr[-2000:]
     ok = subprocess.run([sys.executable, "-c", script.replace("ids[123, 1] = 8\n", "")], capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and "no assert" in ok.stdout, ok.stderr[-2000:]
+
+
+def test_auto_plan_timing_under_no_grad_inference_mode_and_activation_checkpointing():
+    """auto times its plans the first time a shape is seen, with forward+backward passes of its own. That
+    first call may come under no_grad (an eval before training), under inference_mode, or inside a
+    torch.utils.checkpoint region (activation checkpointing), whose saved-tensor hooks must not rerun the
+    caller's region for the timing's own backwards."""
+    from moe_kernels import expert_ffn
+
+    T, d, h, E, k = 515, 128, 96, 16, 2  # a shape no other test times
+    ids, leaves = problem(T, d, h, E, k, (), seed=5)
+    rm = build_route_map(ids.cuda(), E, backend="triton")
+    x, w, a, b = (t.to("cuda", torch.bfloat16 if i != 1 else torch.float32) for i, t in enumerate(leaves))
+    ref = moe_ffn(x, rm, w, a, b, backend="triton")
+
+    def fresh():
+        expert_ffn._PLANS.clear()
+
+    fresh()
+    with torch.inference_mode():
+        assert torch.equal(moe_ffn(x, rm, w, a, b, backend="auto").float(), moe_ffn(x, rm, w, a, b, backend="triton").float())
+    assert not expert_ffn._PLANS  # nothing timed or cached on inference tensors
+    with torch.no_grad():
+        out = moe_ffn(x, rm, w, a, b, backend="auto")
+    assert expert_ffn._PLANS and rel(out.double().cpu(), ref.double().cpu()) < 1.5e-2
+
+    fresh()
+    runs = []
+
+    def region(x, a, b):
+        runs.append(1)
+        return moe_ffn(x, rm, w, a, b, backend="auto")
+
+    xs = [t.detach().clone().requires_grad_() for t in (x, a, b)]
+    out = torch.utils.checkpoint.checkpoint(region, *xs, use_reentrant=False)
+    assert expert_ffn._PLANS and len(runs) == 1
+    out.float().sum().backward()
+    assert len(runs) == 2  # the one recompute of backward, none for the timing's passes
+    plain = [t.detach().clone().requires_grad_() for t in (x, a, b)]
+    moe_ffn(plain[0], rm, w, plain[1], plain[2], backend="auto").float().sum().backward()
+    for got, want in zip(xs, plain):
+        assert rel(got.grad.double().cpu(), want.grad.double().cpu()) < 1.5e-2

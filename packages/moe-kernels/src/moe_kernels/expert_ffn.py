@@ -139,11 +139,22 @@ def _plan(
     key = (rows_bucket(x.shape[0]), tuple(w_gate_up.shape), top_k, x.dtype, route_map is not None)
     plan = _PLANS.get(key)
     if plan is None:
-        if torch.cuda.is_current_stream_capturing():
-            return ffn_kernels.ALL_TRITON  # no timing inside a capture; warm up first to get the tuned plan
-        plan = _time_plans(x, w_gate_up, w_down, offsets, route_map, key)
+        if torch.cuda.is_current_stream_capturing() or torch.is_inference_mode_enabled():
+            # no timing inside a capture, nor on inference tensors (they cannot enter a backward); not cached:
+            # the first call outside times the plans
+            return ffn_kernels.ALL_TRITON
+        # The timing runs forward+backward passes of its own, whatever the caller's autograd state: under
+        # no_grad (an eval before the first training step) and inside activation checkpointing, whose
+        # saved-tensor hooks would otherwise rerun the caller's checkpointed region at every timed backward.
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+            plan = _time_plans(x, w_gate_up, w_down, offsets, route_map, key)
         _PLANS[key] = plan
     return plan
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    """The saved-tensor hook that keeps a tensor as it is (plan timing's own graphs)."""
+    return t
 
 
 def _time_plans(x, w_gate_up, w_down, offsets, route_map, key=None):
