@@ -101,6 +101,8 @@ class TrainConfig:
     resume: bool = True  # continue from run_dir's latest checkpoint when one exists
     device: str = "auto"  # auto | cpu | cuda
     autocast_bf16: bool = True  # bf16 autocast on GPU (never on CPU)
+    # none | full (each block recomputed in backward) | mlp (each block's mlp_norm + MoE/SwiGLU recomputed)
+    activation_checkpointing: str = "none"
     progress: bool = True
     threads: int = 0  # torch CPU threads; 0 = leave torch's default
     max_skipped_steps: int = 10  # consecutive non-finite steps before the run stops with an error
@@ -134,6 +136,10 @@ class Config:
 
 # The learning-rate shapes after warmup (trainer/schedule.py lr_at).
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+# What train.activation_checkpointing may recompute in backward (model/recompute.py; README "Activation checkpointing").
+ACTIVATION_CHECKPOINTING = ("none", "full", "mlp")
+# String fields where the word "none" is one of the values; config_io reads it as null (refused) elsewhere.
+NONE_IS_A_VALUE = ("train.activation_checkpointing",)
 
 
 # Fields that no longer exist: a config that sets one is refused with the reason (configs stored in
@@ -269,6 +275,7 @@ def validate(cfg: Config) -> Config:
     _check(0 <= t.threads <= MAX_THREADS, "train.threads", t.threads,
            f">= 0 and <= {MAX_THREADS} (0 leaves torch's default)")
     _choice("train.device", t.device, ("auto", "cpu", "cuda"))
+    _choice("train.activation_checkpointing", t.activation_checkpointing, ACTIVATION_CHECKPOINTING)
     for name in ("dp", "ep", "pp"):
         _check(getattr(p, name) >= 1, f"parallel.{name}", getattr(p, name), "a positive integer")
     _choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from moe_train.config import REMOVED_FIELDS, Config, ConfigError, optional_inner, validate
+from moe_train.config import NONE_IS_A_VALUE, REMOVED_FIELDS, Config, ConfigError, optional_inner, validate
 from moe_train.presets import get_preset
 
 
@@ -66,7 +66,7 @@ def _coerce(name: str, raw: Any, annotation: Any) -> Any:
         except (TypeError, ValueError, OverflowError):  # OverflowError: an int past float's range
             raise ConfigError(f"{name}={raw!r}: expected {_EXPECTED[float]}") from None
     if annotation is str:
-        if _is_null(raw):
+        if _is_null(raw) and not (isinstance(raw, str) and name in NONE_IS_A_VALUE):  # there, validate judges the text
             raise ConfigError(f"{name}={raw!r}: expected a string; this field cannot be null")
         if not isinstance(raw, str):  # load_yaml already refused unquoted YAML numbers, naming what was typed
             raise ConfigError(f"{name}={raw!r}: expected a string")

@@ -42,6 +42,9 @@ class Router(nn.Module):
         self.register_buffer("stat_scalars", torch.zeros(len(STAT_SCALARS)), persistent=False)
         # Process group over which "global" balancing-loss counts are summed (set by the parallel runtime).
         self.lb_group: dist.ProcessGroup | None = None
+        # True while activation checkpointing reruns this forward in backward (model/recompute.py): the
+        # forward it repeats recorded the statistics and the balancing signal already.
+        self.recomputing = False
 
     def _select(self, scores: torch.Tensor, k: int) -> torch.Tensor:
         routing = self.cfg.routing
@@ -78,7 +81,7 @@ class Router(nn.Module):
         z = torch.logsumexp(logits, -1).pow(2).mean()
         aux = cfg.lb_loss_weight * lb + cfg.z_loss_weight * z
 
-        if not self.training:
+        if not self.training or self.recomputing:
             return RouterOutput(ids, weights, aux)
         with torch.no_grad():
             self.step_load += counts
@@ -98,7 +101,7 @@ class Router(nn.Module):
     @torch.no_grad()
     def record_dropped(self, rows: torch.Tensor) -> None:
         """rows: 0-dim count of this layer's rows a capacity limit dropped in one training forward (kept on device)."""
-        if self.training:
+        if self.training and not self.recomputing:
             self.stat_scalars[_DROPPED] += rows
 
     @torch.no_grad()

@@ -11,11 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_precision import PrecisionRecipe
-from moe_train.config import ModelConfig
+from moe_train.config import ACTIVATION_CHECKPOINTING, ModelConfig
 from moe_train.model.attention import Attention
 from moe_train.model.layers import RMSNorm, SwiGLU
 from moe_train.model.rope import rope_tables
 from moe_train.model.moe import MoELayer, RoutedExperts
+from moe_train.model.recompute import recompute_in_backward
 from moe_train.model.router import Router
 
 
@@ -27,15 +28,27 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.is_moe = cfg.is_moe_layer(index)
         self.mlp: nn.Module = MoELayer(cfg, recipe) if self.is_moe else SwiGLU(cfg.d_model, cfg.dense_hidden, recipe)
+        self.recompute = "none"  # what backward recomputes: none | full | mlp (set_activation_checkpointing)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, S, d] -> ([B, S, d], router aux loss). Recomputes only in training forwards that record a graph."""
+        mode = self.recompute if self.training and torch.is_grad_enabled() else "none"
+        if mode == "full":
+            return recompute_in_backward(self, self._forward, x, cos, sin)
+        return self._forward(x, cos, sin, recompute_feed_forward=mode == "mlp")
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 recompute_feed_forward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + self.attn(self.attn_norm(x), cos, sin)
+        y, aux = recompute_in_backward(self, self._feed_forward, x) if recompute_feed_forward else self._feed_forward(x)
+        return x + y, aux
+
+    def _feed_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """mlp_norm, then the MoE layer or the dense SwiGLU: x: [B, S, d] -> ([B, S, d], aux loss)."""
         h = self.mlp_norm(x)
         if self.is_moe:
-            y, aux = self.mlp(h)
-        else:
-            y, aux = self.mlp(h), x.new_zeros((), dtype=torch.float32)
-        return x + y, aux
+            return self.mlp(h)
+        return self.mlp(h), x.new_zeros((), dtype=torch.float32)
 
 
 def _generator(seed: int, name: str, device: torch.device, expert: int | None = None) -> torch.Generator:
@@ -112,6 +125,16 @@ class Transformer(nn.Module):
         logits, aux = self(tokens)
         ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
         return ce, aux
+
+    def set_activation_checkpointing(self, mode: str) -> None:
+        """What each block recomputes in backward instead of keeping for it (train.activation_checkpointing,
+        set by the runtime): "none", "full" (the whole block; its input is kept) or "mlp" (mlp_norm and the
+        MoE / dense SwiGLU; the block's residual after attention is kept). Changes no parameter or buffer."""
+        if mode not in ACTIVATION_CHECKPOINTING:
+            choices = ", ".join(ACTIVATION_CHECKPOINTING)
+            raise ValueError(f"activation checkpointing {mode!r}: expected one of {choices}")
+        for block in self.blocks:
+            block.recompute = mode
 
     def routers(self) -> list[tuple[int, Router]]:
         return [(i, b.mlp.router) for i, b in enumerate(self.blocks) if b.is_moe]

@@ -26,7 +26,15 @@ from moe_parallel import (
     moe_layers,
 )
 from moe_train.config import Config
-from moe_train.trainer.runtime import CheckpointShard, FlatRange, Slice, StepResult, is_meta, materialize
+from moe_train.trainer.runtime import (
+    CheckpointShard,
+    FlatRange,
+    Slice,
+    StepResult,
+    is_meta,
+    materialize,
+    set_activation_checkpointing,
+)
 from moe_train.trainer.schedule import param_groups
 
 
@@ -57,6 +65,7 @@ class DistributedRuntime:
     def setup(self, model: nn.Module) -> nn.Module:
         p, t = self.cfg.parallel, self.cfg.train
         meta = is_meta(model)
+        set_activation_checkpointing(model, self.cfg, self.device)  # every rank recomputes the same parts
         if p.strategy == "fsdp":
             model = materialize(model, self.device, t.seed) if meta else model.to(self.device)
             self._cast(model)

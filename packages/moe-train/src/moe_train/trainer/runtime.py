@@ -15,7 +15,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import nn
 
-from moe_train.config import Config
+from moe_train.config import Config, ConfigError
 from moe_train.trainer.schedule import param_groups
 
 
@@ -61,7 +61,10 @@ class Runtime(Protocol):
     dp_size: int
     device: torch.device
 
-    def setup(self, model: nn.Module) -> nn.Module: ...
+    def setup(self, model: nn.Module) -> nn.Module:
+        """Place (or materialise) the model for training and apply the training-runtime choices the
+        model itself does not hold: parallelism, train.activation_checkpointing."""
+        ...
 
     def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None: ...
 
@@ -95,6 +98,18 @@ def materialize(model: nn.Module, device: torch.device, seed: int, expert_row_of
     return model
 
 
+def set_activation_checkpointing(model: nn.Module, cfg: Config, device: torch.device) -> None:
+    """Hand train.activation_checkpointing to the model (a runtime's setup, before any memory is allocated).
+    A model without set_activation_checkpointing (not a Transformer) trains only with "none"."""
+    mode = cfg.train.activation_checkpointing
+    if not hasattr(model, "set_activation_checkpointing"):
+        if mode != "none":
+            raise ConfigError(f"train.activation_checkpointing={mode!r}: expected 'none' for a {type(model).__name__} "
+                              "(it has no set_activation_checkpointing)")
+        return
+    model.set_activation_checkpointing(mode)
+
+
 class LocalRuntime:
     """One process, one device: plain AdamW over the model's fp32 parameters."""
 
@@ -113,6 +128,7 @@ class LocalRuntime:
         """model: built (moved to the device), or on the meta device (materialised there and
         initialised from train.seed)."""
         t = self.cfg.train
+        set_activation_checkpointing(model, self.cfg, self.device)
         self.model = materialize(model, self.device, t.seed) if is_meta(model) else model.to(self.device)
         self.optimizer = torch.optim.AdamW(
             param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
