@@ -92,6 +92,11 @@ def main() -> None:
         fams[family(name)] += ms
     busy = sum(per_kernel.values())
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]
+    api: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # CUDA runtime/driver calls: host time, count
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CPU and ev.name.startswith("cu"):
+            api[ev.name][0] += ev.cpu_time_total / 1e3 / args.steps
+            api[ev.name][1] += 1
     ops = sorted(((e.key, e.self_device_time_total / 1e3 / args.steps, e.count // args.steps)
                   for e in prof.key_averages() if e.self_device_time_total > 0), key=lambda r: -r[1])[: args.top]
     report = {
@@ -100,6 +105,7 @@ def main() -> None:
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
         "families_ms": dict(sorted(fams.items(), key=lambda kv: -kv[1])),
         "top_ops": [{"op": k, "ms": round(ms, 3), "calls": c} for k, ms, c in ops],
+        "cuda_api_host_ms": {n: [round(v[0], 3), v[1] // args.steps] for n, v in sorted(api.items(), key=lambda kv: -kv[1][0])[:15]},
         "top_kernels": [{"name": n[:140], "ms": round(ms, 3), "calls": count[n] // args.steps} for n, ms in top],
     }
     runtime.close()
@@ -109,6 +115,7 @@ def main() -> None:
         print(f"  {fam:12s} {ms:8.2f} ms  {ms / busy:6.1%}")
     for k in report["top_kernels"]:
         print(f"  {k['ms']:8.3f} ms  x{k['calls']:<4d} {k['name']}")
+    print("  CUDA API calls (host ms per step, calls):", report["cuda_api_host_ms"])
     print("  by operator (self GPU time):")
     for o in report["top_ops"]:
         print(f"  {o['ms']:8.3f} ms  x{o['calls']:<4d} {o['op']}")
