@@ -1,13 +1,14 @@
-"""Profile training steps of a preset on one GPU: where a step's GPU time goes, by kernel family.
+"""Profile training steps of a preset: where a step's GPU time goes, by kernel family and operator.
 
-usage (GPU machine, repo root, after `source tools/gpu_env.sh`):
+usage (GPU machine, repo root, after `source tools/gpu_env.sh`; on a CPU it profiles CPU time per operator):
     python3 tools/profile_train_step.py --preset fine-grained-e8 [--steps 2] [--warmup 3] [--out F.json]
         [any moe-train override, e.g. --train.activation_checkpointing=full]
 
 Runs the path `moe-train bench` runs (same runtime, synthetic tokens), then profiles `--steps`
 optimizer steps with torch.profiler and prints: the step's wall time, GPU busy time, GPU time per
 kernel family (GEMM, attention, Triton, optimizer, elementwise/reduction, copies, collectives) and
-the top kernels by GPU time. --out writes the same as JSON.
+the top kernels by GPU time, the host time of CUDA runtime calls (a sync stands out there). --out writes the
+same as JSON.
 """
 
 from __future__ import annotations
@@ -45,83 +46,97 @@ def family(name: str) -> str:
     return "elementwise"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", required=True)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out")
-    args, overrides = ap.parse_known_args()
+    args, overrides = ap.parse_known_args(argv)
     cfg = build_config(args.preset, None, parse_overrides(overrides))
     t, m = cfg.train, cfg.model
-    device = pick_device(t.device)
     torch.manual_seed(t.seed)
-    runtime = make_runtime(cfg, device)
+    runtime = make_runtime(cfg, pick_device(t.device))
+    device = runtime.device
+    cuda = device.type == "cuda"
     model = runtime.setup(Transformer(m, device="meta"))
     seq, mb = cfg.data.seq_len, t.micro_batch_size
     g = torch.Generator(device="cpu").manual_seed(t.seed)
-    batches = [torch.randint(0, m.vocab_size, (mb, seq + 1), generator=g).to(runtime.device) for _ in range(2)]
+    batches = [torch.randint(0, m.vocab_size, (mb, seq + 1), generator=g).to(device) for _ in range(2)]
 
-    def one_step(i: int) -> None:
+    def one_step(i: int) -> None:  # the trainer's path, as `moe-train bench` runs it
         for micro in range(t.grad_accum):
             b = batches[(i + micro) % len(batches)]
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=t.autocast_bf16):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda and t.autocast_bf16):
                 ce, aux = model.loss(b[:, :-1], b[:, 1:])
             runtime.backward((ce + aux) / t.grad_accum, last_micro_batch=micro == t.grad_accum - 1)
         runtime.step(t.lr)
 
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
     for i in range(args.warmup):
         one_step(i)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
         for i in range(args.steps):
-            one_step(i)
-        torch.cuda.synchronize()
+            one_step(args.warmup + i)
+        sync()
     wall_ms = (time.perf_counter() - start) * 1e3 / args.steps
-    per_kernel: dict[str, float] = defaultdict(float)
+    runtime.close()
+    per_kernel: dict[str, float] = defaultdict(float)  # GPU kernels: ms per step
     count: dict[str, int] = defaultdict(int)
+    api: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # CUDA runtime/driver calls: host ms, count
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[ev.name] += ev.device_time / 1e3 / args.steps  # ms per step
+            per_kernel[ev.name] += ev.device_time / 1e3 / args.steps
             count[ev.name] += 1
+        elif ev.name.startswith("cu"):
+            api[ev.name][0] += ev.cpu_time_total / 1e3 / args.steps
+            api[ev.name][1] += 1
     fams: dict[str, float] = defaultdict(float)
     for name, ms in per_kernel.items():
         fams[family(name)] += ms
-    busy = sum(per_kernel.values())
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]
-    api: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # CUDA runtime/driver calls: host time, count
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CPU and ev.name.startswith("cu"):
-            api[ev.name][0] += ev.cpu_time_total / 1e3 / args.steps
-            api[ev.name][1] += 1
-    ops = sorted(((e.key, e.self_device_time_total / 1e3 / args.steps, e.count // args.steps)
-                  for e in prof.key_averages() if e.self_device_time_total > 0), key=lambda r: -r[1])[: args.top]
+
+    def self_ms(e) -> float:  # an operator's own time: on the GPU when there is one
+        return (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3 / args.steps
+
+    ops = sorted(((e.key, self_ms(e), e.count // args.steps) for e in prof.key_averages() if self_ms(e) > 0),
+                 key=lambda r: -r[1])[: args.top]
     report = {
         "preset": args.preset, "overrides": overrides, "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(), "step_wall_ms_profiled": wall_ms, "gpu_busy_ms": busy,
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu", "step_wall_ms_profiled": wall_ms,
+        "gpu_busy_ms": sum(per_kernel.values()) if cuda else None,
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
         "families_ms": dict(sorted(fams.items(), key=lambda kv: -kv[1])),
+        "cuda_api_host_ms": {n: [round(v[0], 3), v[1] // args.steps]
+                             for n, v in sorted(api.items(), key=lambda kv: -kv[1][0])[: args.top]},
         "top_ops": [{"op": k, "ms": round(ms, 3), "calls": c} for k, ms, c in ops],
-        "cuda_api_host_ms": {n: [round(v[0], 3), v[1] // args.steps] for n, v in sorted(api.items(), key=lambda kv: -kv[1][0])[:15]},
-        "top_kernels": [{"name": n[:140], "ms": round(ms, 3), "calls": count[n] // args.steps} for n, ms in top],
+        "top_kernels": [{"name": n[:140], "ms": round(ms, 3), "calls": count[n] // args.steps}
+                        for n, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]],
     }
-    runtime.close()
-    print(f"{args.preset} {' '.join(overrides)}: step {wall_ms:.1f} ms wall (profiled), GPU busy {busy:.1f} ms, "
-          f"peak {report['peak_mem_gib']:.1f} GiB")
+    busy = report["gpu_busy_ms"]
+    print(f"{args.preset} {' '.join(overrides)}: step {wall_ms:.1f} ms wall (profiled)"
+          + (f", GPU busy {busy:.1f} ms, peak {report['peak_mem_gib']:.1f} GiB" if cuda else ""))
     for fam, ms in report["families_ms"].items():
         print(f"  {fam:12s} {ms:8.2f} ms  {ms / busy:6.1%}")
     for k in report["top_kernels"]:
         print(f"  {k['ms']:8.3f} ms  x{k['calls']:<4d} {k['name']}")
-    print("  CUDA API calls (host ms per step, calls):", report["cuda_api_host_ms"])
-    print("  by operator (self GPU time):")
+    if report["cuda_api_host_ms"]:
+        print("  CUDA API calls (host ms per step, calls):", report["cuda_api_host_ms"])
+    print(f"  by operator (self {'GPU' if cuda else 'CPU'} time):")
     for o in report["top_ops"]:
         print(f"  {o['ms']:8.3f} ms  x{o['calls']:<4d} {o['op']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
+    return report
 
 
 if __name__ == "__main__":
