@@ -37,9 +37,7 @@ class PrecisionRecipe:
 
     def expert_gemm_dtype(self, x: torch.Tensor) -> torch.dtype:
         """The dtype grouped expert GEMMs run in for input x (the autocast dtype when enabled)."""
-        if torch.is_autocast_enabled(x.device.type):
-            return torch.get_autocast_dtype(x.device.type)
-        return x.dtype
+        return gemm_dtype(x, x.dtype)
 
     def gemm_weight(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Weight w as the GEMM with input x consumes it (expert_gemm_dtype), differentiable, its
@@ -52,5 +50,11 @@ class Bf16Linear(nn.Linear):
     torch's slower gradient cast back to fp32); autocast still casts the input."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else self.weight.dtype
-        return F.linear(x, cast_weight(self.weight, dtype), self.bias)
+        return F.linear(x, cast_weight(self.weight, gemm_dtype(x, self.weight.dtype)), self.bias)
+
+
+def gemm_dtype(x: torch.Tensor, otherwise: torch.dtype) -> torch.dtype:
+    """The autocast dtype of x's device when autocast is on there, else `otherwise`."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return otherwise
