@@ -25,9 +25,10 @@ def test_each_schedule_after_warmup():
     assert lrs["wsd"][9:] == pytest.approx([1.0, 0.7, 0.4, 0.1])
 
 
-def test_wsd_decay_is_at_least_one_step_and_never_inside_the_warmup():
-    # 1% of 10 steps rounds to 0: still one decay step (the last step's lr below the peak is the floor at 10)
-    assert [lr_at(s, 1.0, 0, 10, 0.0, "wsd", 0.01) for s in (8, 9, 10)] == [1.0, 1.0, 0.0]
+def test_wsd_decay_runs_at_least_one_step_below_the_peak_and_never_inside_the_warmup():
+    # 1% of 10 steps rounds to 0: still a decay window of two (the floor is reached at 10, one past the last)
+    assert [lr_at(s, 1.0, 0, 10, 0.0, "wsd", 0.01) for s in (7, 8, 9, 10)] == [1.0, 1.0, 0.5, 0.0]
+    assert lr_at(0, 1.0, 0, 1, 0.0, "wsd", 0.01) == 1.0  # a one-step run has no room to decay
     # decay fraction 1 with a warmup of 4: the decay starts where the warmup ends, not at step 0
     got = [lr_at(s, 1.0, 4, 8, 0.0, "wsd", 1.0) for s in range(9)]
     assert got[:4] == [0.25, 0.5, 0.75, 1.0] and got[4:] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])

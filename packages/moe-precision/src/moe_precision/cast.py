@@ -53,6 +53,8 @@ class _CastWeight(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if torch.is_grad_enabled():  # a double backward (create_graph): torch's cast, which autograd records
+            return grad.to(ctx.source_dtype), None
         return upcast(grad.contiguous(), ctx.source_dtype), None
 
 

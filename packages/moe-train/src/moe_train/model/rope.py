@@ -90,14 +90,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
 
 class _RopeFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
-        return _rotate(x, cos, sin, 1.0)
+        ctx.sign = sign
+        return _rotate(x, cos, sin, sign)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         cos, sin = ctx.saved_tensors
-        return _rotate(grad, cos, sin, -1.0), None, None
+        # through this Function again, not the bare kernel: a double backward (create_graph) sees the rotation
+        return _RopeFn.apply(grad, cos, sin, -ctx.sign), None, None, None
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -110,4 +112,4 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         and cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
         and cos.shape == sin.shape == (x.shape[2], x.shape[3])
     )
-    return _RopeFn.apply(x, cos, sin) if fused else rope_reference(x, cos, sin)
+    return _RopeFn.apply(x, cos, sin, 1.0) if fused else rope_reference(x, cos, sin)

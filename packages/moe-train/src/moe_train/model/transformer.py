@@ -106,7 +106,8 @@ class Transformer(nn.Module):
     def _rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         c = self._rope_cache
         if c is None or c[0] < seq_len or c[1] != device:
-            cos, sin = rope_tables(seq_len, self.cfg.resolved_head_dim, self.cfg.rope_theta, device)
+            with torch.inference_mode(False):  # made under inference_mode, they still serve training forwards
+                cos, sin = rope_tables(seq_len, self.cfg.resolved_head_dim, self.cfg.rope_theta, device)
             self._rope_cache = c = (seq_len, device, cos, sin)
         return c[2][:seq_len], c[3][:seq_len]
 

@@ -18,15 +18,16 @@ def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float, 
       cosine    half a cosine from base_lr down;
       linear    a straight line down;
       constant  base_lr throughout (min_ratio unused);
-      wsd       base_lr held, then a straight line down over the last decay_fraction*total steps (at least
-                one); the decay never starts inside the warmup.
+      wsd       base_lr held, then a straight line down over the last decay_fraction*total steps (rounded;
+                at least two, so at least one step runs below the peak); the decay never starts inside
+                the warmup.
     warmup >= total: the whole run warms up and never decays (its last step at base_lr*total/warmup)."""
     if warmup > 0 and step < warmup:
         return base_lr * (step + 1) / warmup
     if schedule == "constant":
         return base_lr
     if schedule == "wsd":
-        decay_start = max(warmup, total - max(1, round(decay_fraction * total)))
+        decay_start = max(warmup, total - max(2, round(decay_fraction * total)))
         progress = min(1.0, max(0, step - decay_start) / max(1, total - decay_start))
         return base_lr * (1 - (1 - min_ratio) * progress)
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
