@@ -55,3 +55,14 @@ def test_upcast_kernel_is_exactly_to_float32_on_gpu(dtype, n):
     assert out.dtype == torch.float32 and torch.equal(out, t.float())
     strided = t[::2]  # not contiguous: torch's cast
     assert torch.equal(upcast(strided, torch.float32), strided.float())
+
+
+def test_recipe_modules_run_shape_only_forwards_on_meta_tensors():
+    """nn.Linear runs on meta tensors (shape inference); so must the recipe's linear and expert weights
+    (meta has no autocast to ask)."""
+    recipe = PrecisionRecipe("bf16")
+    lin = recipe.linear(16, 8).to("meta")
+    x = torch.empty(3, 16, device="meta")
+    assert lin(x).shape == (3, 8) and lin(x).device.type == "meta"
+    w = torch.empty(4, 16, 6, device="meta", requires_grad=True)
+    assert recipe.gemm_weight(w, x).dtype == torch.float32 and recipe.expert_gemm_dtype(x) == torch.float32

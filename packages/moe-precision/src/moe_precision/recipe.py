@@ -54,7 +54,9 @@ class Bf16Linear(nn.Linear):
 
 
 def gemm_dtype(x: torch.Tensor, otherwise: torch.dtype) -> torch.dtype:
-    """The autocast dtype of x's device when autocast is on there, else `otherwise`."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
+    """The autocast dtype of x's device when autocast is on there, else `otherwise` (and on devices without
+    autocast, such as meta: shape-only forwards)."""
+    device = x.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
     return otherwise
