@@ -22,10 +22,8 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from moe_train.bench import synthetic_steps
 from moe_train.config_io import build_config, parse_overrides
-from moe_train.model import Transformer
-from moe_train.trainer.launch import make_runtime
-from moe_train.trainer.loop import pick_device
 
 FAMILIES = (  # first match wins
     ("collective", r"nccl|allreduce|all_to_all|alltoall"),
@@ -55,23 +53,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out")
     args, overrides = ap.parse_known_args(argv)
     cfg = build_config(args.preset, None, parse_overrides(overrides))
-    t, m = cfg.train, cfg.model
-    torch.manual_seed(t.seed)
-    runtime = make_runtime(cfg, pick_device(t.device))
+    runtime, one_step = synthetic_steps(cfg)  # the path `moe-train bench` times
     device = runtime.device
     cuda = device.type == "cuda"
-    model = runtime.setup(Transformer(m, device="meta"))
-    seq, mb = cfg.data.seq_len, t.micro_batch_size
-    g = torch.Generator(device="cpu").manual_seed(t.seed)
-    batches = [torch.randint(0, m.vocab_size, (mb, seq + 1), generator=g).to(device) for _ in range(2)]
-
-    def one_step(i: int) -> None:  # the trainer's path, as `moe-train bench` runs it
-        for micro in range(t.grad_accum):
-            b = batches[(i + micro) % len(batches)]
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda and t.autocast_bf16):
-                ce, aux = model.loss(b[:, :-1], b[:, 1:])
-            runtime.backward((ce + aux) / t.grad_accum, last_micro_batch=micro == t.grad_accum - 1)
-        runtime.step(t.lr)
 
     def sync() -> None:
         if cuda:

@@ -50,7 +50,7 @@ def test_fused_rope_backward_is_differentiable_under_the_triton_interpreter():
     pytest.importorskip("numpy")
     code = (
         "import torch, moe_train.model.rope as r\n"
-        "assert r._kernel_runs_on(torch.zeros(1))\n"
+        "assert r.triton_can_run_on(torch.zeros(1))\n"
         "g = torch.Generator().manual_seed(0)\n"
         "cos, sin = r.rope_tables(5, 8, 10000.0, torch.device('cpu'))\n"
         "x = torch.randn(1, 2, 5, 8, generator=g)\n"

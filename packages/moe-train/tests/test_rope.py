@@ -47,7 +47,7 @@ def test_fused_kernel_matches_reference_under_the_triton_interpreter():
     pytest.importorskip("numpy")
     code = ("import torch, moe_train.model.rope as r\n"
             "from test_rope import _parity\n"
-            "assert r._kernel_runs_on(torch.zeros(1))\n"
+            "assert r.triton_can_run_on(torch.zeros(1))\n"
             "calls = []\n"
             "kernel = r._rope_kernel\n"
             "r._rope_kernel = type('Spy', (), {'__getitem__': lambda self, g: (calls.append(g), kernel[g])[1]})()\n"

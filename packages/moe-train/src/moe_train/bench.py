@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import platform
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,6 +15,33 @@ from moe_train.trainer.launch import make_runtime
 from moe_train.trainer.loop import pick_device
 from moe_train.trainer.metrics import max_over_ranks
 from moe_train.trainer.mfu import peak_tflops
+from moe_train.trainer.runtime import Runtime
+
+
+def synthetic_steps(cfg: Config) -> tuple[Runtime, Callable[[int], float]]:
+    """The runtime `train` would use for cfg, with the model set up on it, and `one_step(i)`: optimizer
+    step i on synthetic tokens along the trainer's path (runtime.backward per micro-batch under the
+    trainer's autocast, then runtime.step: clip + AdamW), returning the last micro-batch's loss."""
+    t, m = cfg.train, cfg.model
+    torch.manual_seed(t.seed)
+    runtime = make_runtime(cfg, pick_device(t.device))
+    device = runtime.device
+    model = runtime.setup(Transformer(m, device="meta"))
+    seq, mb = cfg.data.seq_len, t.micro_batch_size
+    amp = device.type == "cuda" and t.autocast_bf16
+    g = torch.Generator(device="cpu").manual_seed(t.seed)
+    batches = [torch.randint(0, m.vocab_size, (mb, seq + 1), generator=g) for _ in range(4)]
+
+    def one_step(i: int) -> float:
+        for micro in range(t.grad_accum):
+            b = batches[(i * t.grad_accum + micro) % len(batches)].to(device)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+                ce, aux = model.loss(b[:, :-1], b[:, 1:])
+            runtime.backward((ce + aux) / t.grad_accum, last_micro_batch=micro == t.grad_accum - 1)
+        runtime.step(t.lr)
+        return float(ce.detach())
+
+    return runtime, one_step
 
 
 def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
@@ -28,26 +56,9 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
     if warmup < 0:
         raise ConfigError(f"bench --warmup={warmup}: expected an integer >= 0")
     t, m = cfg.train, cfg.model
-    device = pick_device(t.device)
-    torch.manual_seed(t.seed)
-    runtime = make_runtime(cfg, device)
+    runtime, one_step = synthetic_steps(cfg)
     device = runtime.device
-    model = runtime.setup(Transformer(m, device="meta"))
     seq, mb = cfg.data.seq_len, t.micro_batch_size
-    amp = device.type == "cuda" and t.autocast_bf16
-    g = torch.Generator(device="cpu").manual_seed(t.seed)
-    batches = [torch.randint(0, m.vocab_size, (mb, seq + 1), generator=g) for _ in range(4)]
-
-    def one_step(i: int) -> float:
-        """The trainer's path: runtime.backward per micro-batch, then runtime.step (clip + AdamW)."""
-        for micro in range(t.grad_accum):
-            b = batches[(i * t.grad_accum + micro) % len(batches)].to(device)
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-                ce, aux = model.loss(b[:, :-1], b[:, 1:])
-            runtime.backward((ce + aux) / t.grad_accum, last_micro_batch=micro == t.grad_accum - 1)
-        runtime.step(t.lr)
-        return float(ce.detach())
-
     for i in range(warmup):
         one_step(i)
     if device.type == "cuda":

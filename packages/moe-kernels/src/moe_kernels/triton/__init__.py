@@ -35,12 +35,18 @@ def _triton_interprets() -> bool:
     return bool(knobs is not None and knobs.runtime.interpret)
 
 
+def triton_can_run_on(t: torch.Tensor) -> bool:
+    """Whether triton kernels can run on `t` at all: triton installed, and t on CUDA, or on the CPU
+    under Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported; how CI runs them)."""
+    return triton_available() and (t.is_cuda or (t.device.type == "cpu" and _triton_interprets()))
+
+
 def require_triton_on(t: torch.Tensor) -> None:
     """Raise a clear error when backend="triton" is asked for where its kernels cannot run:
     triton not installed, or a tensor off CUDA without Triton's CPU interpreter."""
     if not triton_available():
         raise ValueError("backend='triton' needs triton installed (pip install triton); use backend='auto' or 'reference'")
-    if t.is_cuda or (t.device.type == "cpu" and _triton_interprets()):
+    if triton_can_run_on(t):
         return
     raise ValueError(
         f"backend='triton' got a tensor on device={t.device}: the triton kernels run on CUDA devices, or on "

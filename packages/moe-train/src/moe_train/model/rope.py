@@ -12,6 +12,8 @@ from contextlib import nullcontext
 
 import torch
 
+from moe_kernels.triton import triton_can_run_on
+
 try:
     import triton
     import triton.language as tl
@@ -62,22 +64,11 @@ if triton is not None:
         tl.store(op + HALF, (x2 * c2 + x1 * s2).to(out.dtype.element_ty), mask=mask)
 
 
-def _kernel_runs_on(t: torch.Tensor) -> bool:
-    """CUDA tensors; CPU ones only under Triton's interpreter (its own setting, TRITON_INTERPRET=1 set
-    before triton is imported: how CI runs the kernel)."""
-    if triton is None:
-        return False
-    knobs = getattr(triton, "knobs", None)
-    return t.is_cuda or (t.device.type == "cpu" and knobs is not None and bool(knobs.runtime.interpret))
-
-
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
     b, h, s, hd = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = torch.empty_like(x)  # x's layout (a transposed [B, S, H, hd] view stays one)
-    if out.stride(-1) != 1:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x)  # x's layout (a transposed [B, S, H, hd] view stays one); last stride 1 as x's
     n_rows = b * h * s
     half = hd // 2
     grid = (triton.cdiv(n_rows, _ROWS_PER_PROGRAM),)
@@ -107,7 +98,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     The fused kernel on CUDA (cos/sin without gradients), rope_reference elsewhere (and for cos/sin
     that need gradients)."""
     fused = (
-        _kernel_runs_on(x) and x.dim() == 4 and x.shape[-1] % 2 == 0 and x.numel() > 0
+        triton is not None and triton_can_run_on(x) and x.dim() == 4 and x.shape[-1] % 2 == 0 and x.numel() > 0
         and not (cos.requires_grad or sin.requires_grad)
         and cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
         and cos.shape == sin.shape == (x.shape[2], x.shape[3])
