@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from moe_kernels.triton import refuse_double_backward
+from moe_kernels.triton.gluon_wgrad import gluon_wgrad_launch, gluon_wgrad_supports
 from moe_kernels.triton.tuning import pick_config, rows_bucket
 
 
@@ -239,6 +240,9 @@ _WGRAD_CONFIGS_BF16 = [
     dict(BLOCK_K=64, BLOCK_N=128, BLOCK_R=64, num_warps=4, num_stages=4, tma=True),
     dict(BLOCK_K=128, BLOCK_N=256, BLOCK_R=64, num_warps=8, num_stages=3, tma=True, ws=2),
 ]
+# the Gluon ping-pong kernel (gluon_wgrad.py), candidates only where it can run: on the H200 it
+# ties cuBLAS's grouped wgrad at E=128 and trails it at E=8 (bench/results/h200_gluon_wgrad.json)
+_GLUON_WGRAD = [dict(gluon=True, chunk_rows=64, stages=4), dict(gluon=True, chunk_rows=64, stages=5)]
 _GEMM_CONFIG_FP32 = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2, tma=False)]
 _WGRAD_CONFIG_FP32 = [dict(BLOCK_K=64, BLOCK_N=64, BLOCK_R=32, num_warps=4, num_stages=2, tma=False)]
 _CPU_GEMM = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, tma=False)]
@@ -361,10 +365,17 @@ def grouped_wgrad_launch(
         configs = _WGRAD_CONFIG_FP32
     else:
         configs = _WGRAD_CONFIGS_BF16
+        if gluon_wgrad_supports(a, b, out.dtype, gather):
+            configs = configs + _GLUON_WGRAD
     tma_ok = _tma_capable(a)
     gather_t = gather if gather is not None else offsets
 
     def launch(cfg):
+        if cfg.get("gluon"):
+            if gluon_wgrad_supports(a, b, out.dtype, gather):
+                gluon_wgrad_launch(a, b, offsets, out, _num_sms(a.device), chunk_rows=cfg["chunk_rows"], stages=cfg["stages"])
+                return
+            cfg = configs[0]  # tuned on aligned operands, called now with ones the kernel cannot take
         cfg = dict(cfg)
         bk, bn, br, tma = cfg.pop("BLOCK_K"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_R"), cfg.pop("tma") and tma_ok
         ws = cfg.pop("ws", 0)
