@@ -201,6 +201,47 @@ def _check_plan_search(torch, moe):
         triton.testing.do_bench, expert_ffn._PLAN_ROUNDS = saved, saved_rounds
 
 
+def _check_plan_on_inference_tensors(torch, moe):
+    """Tensors made under torch.inference_mode and used outside it (a cached eval batch, weights
+    loaded for inference) cannot enter the plan timing's backwards: auto runs the all-Triton plan
+    on them, uncached, and the block's output is right; the next ordinary call still times."""
+    import itertools
+
+    import triton.testing
+
+    from moe_kernels import expert_ffn
+    from moe_kernels.triton.ffn_kernels import ALL_TRITON
+
+    T, d, h, E, k = 13, 16, 8, 3, 2
+    g = torch.Generator().manual_seed(4)
+    ids = torch.rand(T, E, generator=g).topk(k, dim=1).indices
+    x, w1, w2 = torch.randn(T, d, generator=g), torch.randn(E, d, 2 * h, generator=g), torch.randn(E, h, d, generator=g)
+    weights = torch.rand(T, k, generator=g)
+    with torch.inference_mode():
+        rm = moe.build_route_map(ids, E, backend="reference")
+        inf = [t.clone() for t in (x, w1, w2, weights)]
+    clock = itertools.count(1)
+    saved, saved_rounds, saved_use = triton.testing.do_bench, expert_ffn._PLAN_ROUNDS, expert_ffn.use_triton
+    try:
+        # auto picks triton on CUDA only: here it is told the interpreter counts, as on a GPU
+        expert_ffn.use_triton = lambda backend, t: True
+        triton.testing.do_bench = lambda fn, **_: (fn(), float(next(clock) % 5))[1]
+        expert_ffn._PLAN_ROUNDS = 1
+        expert_ffn._PLANS.clear()
+        # inference weights, or only the route map made under inference_mode
+        assert expert_ffn._plan("auto", inf[0], inf[1], inf[2], rm.offsets, rm) is ALL_TRITON
+        assert expert_ffn._plan("auto", x, w1, w2, rm.offsets, rm) is ALL_TRITON
+        assert not expert_ffn._PLANS
+        out = moe.moe_ffn(inf[0], rm, inf[3], inf[1], inf[2], backend="auto")
+        ref = moe.moe_ffn(x, moe.build_route_map(ids, E, backend="reference"), weights, w1, w2, backend="reference")
+        assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4)
+        fresh = moe.build_route_map(ids, E, backend="reference")
+        assert expert_ffn._plan("auto", x, w1, w2, fresh.offsets, fresh) is not None and expert_ffn._PLANS
+    finally:
+        triton.testing.do_bench, expert_ffn._PLAN_ROUNDS, expert_ffn.use_triton = saved, saved_rounds, saved_use
+        expert_ffn._PLANS.clear()
+
+
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton or numpy (its interpreter needs it) is not installed")
 def test_triton_kernels_match_reference_under_interpreter(run_under_interpreter):
     run_under_interpreter(__file__)
@@ -218,5 +259,6 @@ if __name__ == "__main__":
     _check_block(torch, moe)
     _check_block_plans(torch, moe)
     _check_plan_search(torch, moe)
+    _check_plan_on_inference_tensors(torch, moe)
     _check_tensor_descriptor_paths(torch)  # last: it replaces the CPU block shapes
     print("ok")

@@ -139,9 +139,10 @@ def _plan(
     key = (rows_bucket(x.shape[0]), tuple(w_gate_up.shape), top_k, x.dtype, route_map is not None)
     plan = _PLANS.get(key)
     if plan is None:
-        if torch.cuda.is_current_stream_capturing() or torch.is_inference_mode_enabled():
-            # no timing inside a capture, nor on inference tensors (they cannot enter a backward); not cached:
-            # the first call outside times the plans
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing or torch.is_inference_mode_enabled() or _has_inference_tensor(x, w_gate_up, w_down, offsets, route_map):
+            # no timing inside a capture, nor on inference tensors (made under inference_mode, maybe used
+            # outside it: they cannot enter the timing's backwards); not cached: the next call times the plans
             return ffn_kernels.ALL_TRITON
         # The timing runs forward+backward passes of its own, whatever the caller's autograd state: under
         # no_grad (an eval before the first training step) and inside activation checkpointing, whose
@@ -150,6 +151,13 @@ def _plan(
             plan = _time_plans(x, w_gate_up, w_down, offsets, route_map, key)
         _PLANS[key] = plan
     return plan
+
+
+def _has_inference_tensor(x, w_gate_up, w_down, offsets, route_map) -> bool:
+    tensors = [x, w_gate_up, w_down, offsets]
+    if route_map is not None:
+        tensors += [route_map.sort_order, route_map.dest_row]
+    return any(t.is_inference() for t in tensors)
 
 
 def _keep(t: torch.Tensor) -> torch.Tensor:
