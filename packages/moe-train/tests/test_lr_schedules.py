@@ -54,3 +54,12 @@ def test_resume_under_another_schedule_is_named_and_old_checkpoints_read_as_cosi
     assert schedule_change(saved, same, 9) is None
     longer = TrainConfig(lr=1.0, warmup_steps=0, steps=10, min_lr_ratio=0.1, lr_schedule="wsd", lr_decay_fraction=0.5)
     assert "train.lr_decay_fraction: 0.2 -> 0.5" in schedule_change(saved, longer, 6)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_decay_fraction_refused_where_the_schedule_ignores_it(schedule):
+    """A decay fraction other than the default with a schedule that does not read it would be
+    silently ignored: refused, naming both fields."""
+    with pytest.raises(ConfigError, match=r"train.lr_decay_fraction=0.5.*lr_schedule=" + schedule):
+        build_config("tiny", overrides={"train.lr_schedule": schedule, "train.lr_decay_fraction": "0.5"})
+    assert build_config("tiny", overrides={"train.lr_schedule": schedule}).train.lr_decay_fraction == 0.2

@@ -264,6 +264,10 @@ def validate(cfg: Config) -> Config:
     _check(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, ">= 0")
     _choice("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     _check(0 < t.lr_decay_fraction <= 1, "train.lr_decay_fraction", t.lr_decay_fraction, "in (0, 1]")
+    default_fraction = TrainConfig.__dataclass_fields__["lr_decay_fraction"].default
+    _check(t.lr_schedule == "wsd" or t.lr_decay_fraction == default_fraction, "train.lr_decay_fraction",
+           t.lr_decay_fraction, f"{default_fraction} (its default) with train.lr_schedule={t.lr_schedule}: only wsd "
+           "reads it; set train.lr_schedule=wsd or leave lr_decay_fraction out")
     _check(t.eval_interval >= 0 and t.save_interval >= 0, "train.eval_interval/save_interval",
            (t.eval_interval, t.save_interval), ">= 0 (0 disables)")
     _check(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, ">= 0 (0 disables)")
