@@ -91,6 +91,16 @@ def check_same_model(path: Path, cfg: Config) -> None:
                           "use the checkpoint's settings or a new train.run_dir")
 
 
+def check_not_past_the_end(path: Path, steps: int) -> None:
+    """Refuse to resume from a checkpoint past train.steps: the run would train nothing and report the
+    checkpoint's step as done (train.steps lowered, or the run folder of a longer run reused)."""
+    step = step_of(path)
+    if step is not None and step > steps:
+        raise ConfigError(f"train.steps={steps}: the run in {path.parent.parent} has a checkpoint at step {step} "
+                          f"({path.name}), past it, so there is nothing to train; expected train.steps >= {step} to "
+                          "continue that run, or a new train.run_dir")
+
+
 def eval_set_change(saved: dict[str, Any], cfg: Config, split_windows: int, step: int) -> str | None:
     """A one-line warning when this run, resumed at `step`, evaluates on another set of windows than the
     run that wrote the checkpoint (saved: its stored config); None when the eval losses stay comparable.

@@ -39,7 +39,8 @@ def make_runtime(cfg: Config, device: torch.device) -> Runtime:
     try:
         layout.validate(world, cfg.model.num_experts)
     except ValueError as e:  # the same one line on every rank, before any process group exists
-        raise ConfigError(f"parallel layout: {e}") from None
+        message = str(e)  # moe_parallel's own message starts "parallel layout: " already
+        raise ConfigError(message if message.startswith("parallel layout:") else f"parallel layout: {message}") from None
     rank = int(os.environ.get("RANK", "0"))
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))

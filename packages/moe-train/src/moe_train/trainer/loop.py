@@ -158,7 +158,7 @@ class Trainer:
             aux_sum += aux.detach().float()
         lr = train_lr_at(self.step, t)
         result = rt.step(lr)
-        self._update_expert_bias()
+        self._update_expert_bias(apply=not result.skipped)
         stats = rt.all_reduce_sum(torch.stack([ce_sum, aux_sum]) / (t.grad_accum * rt.dp_size)).tolist()
         if result.skipped or not math.isfinite(stats[0]):
             self.skipped_steps += 1
@@ -173,12 +173,14 @@ class Trainer:
         return {"loss": stats[0], "aux_loss": stats[1], "lr": lr, "grad_norm": result.grad_norm,
                 "skipped": float(result.skipped)}
 
-    def _update_expert_bias(self) -> None:
-        """One all-reduce of every router's step load, and only when some router uses the bias."""
+    def _update_expert_bias(self, apply: bool = True) -> None:
+        """One all-reduce of every router's step load, and only when some router uses the bias.
+        apply=False (a skipped step: non-finite gradients, the same on every rank) leaves the bias as it is, as
+        the weights are: that step's load was routed on non-finite activations. The load is cleared either way."""
         routers = [router for _, router in self.model.routers()]
-        if not any(r.cfg.expert_bias for r in routers):
+        if not apply or not any(r.cfg.expert_bias for r in routers):
             for r in routers:
-                r.update_expert_bias()  # nothing to move; clears the step's load
+                r.step_load.zero_()  # nothing to move (or not this step); the next step counts afresh
             return
         loads = self.runtime.all_reduce_sum(torch.stack([r.step_load for r in routers]))
         for r, load in zip(routers, loads):
@@ -224,6 +226,7 @@ class Trainer:
             ckpt.check_not_an_import(self.run_dir)
         else:
             ckpt.check_same_model(path, self.cfg)
+            ckpt.check_not_past_the_end(path, self.cfg.train.steps)
         if self.cfg.train.save_interval > 0:  # a run that saves nothing writes over nothing
             ckpt.check_no_checkpoints_after(self.run_dir, step_of(path) if path else 0, self.cfg.train.resume)
         return path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,7 +28,7 @@ class MetricsLog:
             return
         with open(self.path, "ab+") as f:
             _drop_partial_line(f)
-            f.write((json.dumps(record) + "\n").encode())
+            f.write((_dumps(record) + "\n").encode())
             f.flush()
             os.fsync(f.fileno())
 
@@ -52,6 +53,26 @@ class MetricsLog:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         return len(lines) - len(keep)
+
+
+def _dumps(record: dict[str, Any]) -> str:
+    """record as one line of standard JSON: a non-finite float (the loss or grad norm of a skipped step, NaN router
+    statistics) is written as null. Python's json would write NaN / Infinity, which JSON (RFC 8259) does not have and
+    strict readers (JavaScript's JSON.parse, say) refuse; the record's "skipped" says why the number is missing."""
+    try:
+        return json.dumps(record, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite_or_none(record), allow_nan=False)
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(v) for v in value]
+    return value
 
 
 def _drop_partial_line(f: BinaryIO) -> None:

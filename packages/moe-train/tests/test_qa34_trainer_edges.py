@@ -1,0 +1,69 @@
+"""QA pass 34: a resume whose checkpoint is past train.steps, skipped steps in metrics.jsonl and the expert bias,
+the message of a layout that does not fit the world size."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moe_train.cli import main
+from moe_train.config import ConfigError
+from moe_train.trainer.loop import Trainer
+
+
+def _strict_records(path):
+    """Every line of metrics.jsonl as standard JSON (NaN / Infinity refused, as JavaScript's JSON.parse refuses them)."""
+    def refuse(constant):
+        raise ValueError(f"not standard JSON: {constant}")
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+def test_a_resume_from_a_checkpoint_past_train_steps_is_refused_naming_both(tmp_path, data_dir, make_config):
+    Trainer(make_config(tmp_path, steps=6, eval_interval=0, save_interval=3)).train()
+    before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match=r"train\.steps=4: .*checkpoint at step 6.*expected train\.steps >= 6"):
+        Trainer(make_config(tmp_path, steps=4, eval_interval=0, save_interval=3)).train()
+    # refused before anything was logged; the same steps (a finished run run again) still does nothing quietly
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
+    assert Trainer(make_config(tmp_path, steps=6, eval_interval=0, save_interval=3)).train()["step"] == 6
+
+
+def test_a_skipped_step_is_logged_as_standard_json_and_leaves_the_expert_bias(tmp_path, data_dir, make_config):
+    cfg = make_config(tmp_path, steps=4, eval_interval=0, save_interval=0, log_interval=1, max_skipped_steps=3)
+    trainer = Trainer(cfg)
+    routers = [r for _, r in trainer.model.routers()]
+    assert routers and all(r.cfg.expert_bias for r in routers)
+    step, seen = trainer._train_step, {}
+
+    def poisoned_at_step_2():
+        if trainer.step != 1:
+            return step()
+        seen["bias"] = [r.expert_bias.clone() for r in routers]
+        with torch.no_grad():
+            trainer.model.embed.weight[:, 0] = float("nan")  # NaN activations: the router's load is garbage
+        out = step()
+        seen["bias_after"] = [r.expert_bias.clone() for r in routers]
+        seen["step_load"] = [r.step_load.clone() for r in routers]
+        with torch.no_grad():
+            trainer.model.embed.weight[:, 0] = 0.0
+        return out
+
+    trainer._train_step = poisoned_at_step_2
+    assert trainer.train()["skipped_steps"] == 1
+    for before, after, load in zip(seen["bias"], seen["bias_after"], seen["step_load"]):
+        assert torch.equal(before, after)  # a skipped step moves neither the weights nor the bias
+        assert not load.any()  # and its load does not leak into the next step's
+    records = _strict_records(tmp_path / "run" / "metrics.jsonl")
+    skipped = next(r for r in records if r.get("step") == 2 and "loss" in r)
+    assert skipped["skipped"] == 1.0 and skipped["loss"] is None and skipped["grad_norm"] is None
+    assert isinstance(next(r for r in records if r.get("step") == 3 and "loss" in r)["loss"], float)
+
+
+def test_a_layout_larger_than_the_world_says_parallel_layout_once(capsys, data_dir, tmp_path):
+    rc = main(["train", f"--data.path={data_dir}", "--model.vocab_size=512", "--parallel.dp=2",
+               f"--train.run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.count("parallel layout:") == 1, err
+    assert "dp=2 x pp=1 = 2 does not equal world_size=1" in err
