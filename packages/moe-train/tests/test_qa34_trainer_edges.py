@@ -67,3 +67,12 @@ def test_a_layout_larger_than_the_world_says_parallel_layout_once(capsys, data_d
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.count("parallel layout:") == 1, err
     assert "dp=2 x pp=1 = 2 does not equal world_size=1" in err
+
+
+def test_standard_json_writes_non_finite_numbers_as_null():
+    """What train prints, bench prints and writes, and metrics.jsonl holds, all go through it."""
+    from moe_train.trainer.metrics import standard_json
+
+    text = standard_json({"last_loss": float("nan"), "x": [1.5, float("inf")], "d": {"y": -float("inf"), "n": 2}})
+    assert json.loads(text) == {"last_loss": None, "x": [1.5, None], "d": {"y": None, "n": 2}}
+    assert json.loads(standard_json({"a": 1.0}, indent=2)) == {"a": 1.0}

@@ -164,10 +164,12 @@ def _parser() -> _Parser:
 def _cmd_train(cfg) -> None:
     from moe_train.trainer.loop import Trainer
 
+    from moe_train.trainer.metrics import standard_json
+
     trainer = Trainer(cfg)
     summary = trainer.train()
-    if trainer.is_main:  # under torchrun, one summary rather than one per rank
-        print(json.dumps(summary))
+    if trainer.is_main:  # under torchrun, one summary rather than one per rank; a skipped last step's loss is null
+        print(standard_json(summary))
 
 
 def _cmd_info(cfg) -> None:
@@ -192,7 +194,9 @@ def _cmd_bench(cfg, args) -> None:
     result = run_bench(cfg, args.steps, args.warmup)
     if result.pop("rank") != 0:  # under torchrun: one report (its numbers cover every rank), one writer of --out
         return
-    text = json.dumps(result, indent=2)
+    from moe_train.trainer.metrics import standard_json
+
+    text = standard_json(result, indent=2)  # a NaN final loss is null
     print(text)
     if args.out:
         with open(args.out, "w") as f:

@@ -28,7 +28,7 @@ class MetricsLog:
             return
         with open(self.path, "ab+") as f:
             _drop_partial_line(f)
-            f.write((_dumps(record) + "\n").encode())
+            f.write((standard_json(record) + "\n").encode())
             f.flush()
             os.fsync(f.fileno())
 
@@ -55,14 +55,14 @@ class MetricsLog:
         return len(lines) - len(keep)
 
 
-def _dumps(record: dict[str, Any]) -> str:
-    """record as one line of standard JSON: a non-finite float (the loss or grad norm of a skipped step, NaN router
-    statistics) is written as null. Python's json would write NaN / Infinity, which JSON (RFC 8259) does not have and
-    strict readers (JavaScript's JSON.parse, say) refuse; the record's "skipped" says why the number is missing."""
+def standard_json(record: Any, indent: int | None = None) -> str:
+    """record as standard JSON: a non-finite float (the loss or grad norm of a skipped step, NaN router statistics)
+    is written as null. Python's json would write NaN / Infinity, which JSON (RFC 8259) does not have and strict
+    readers (JavaScript's JSON.parse, say) refuse; a record's "skipped" says why the number is missing."""
     try:
-        return json.dumps(record, allow_nan=False)
+        return json.dumps(record, allow_nan=False, indent=indent)
     except ValueError:
-        return json.dumps(_finite_or_none(record), allow_nan=False)
+        return json.dumps(_finite_or_none(record), allow_nan=False, indent=indent)
 
 
 def _finite_or_none(value: Any) -> Any:
