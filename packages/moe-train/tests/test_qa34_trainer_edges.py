@@ -76,3 +76,27 @@ def test_standard_json_writes_non_finite_numbers_as_null():
     text = standard_json({"last_loss": float("nan"), "x": [1.5, float("inf")], "d": {"y": -float("inf"), "n": 2}})
     assert json.loads(text) == {"last_loss": None, "x": [1.5, None], "d": {"y": None, "n": 2}}
     assert json.loads(standard_json({"a": 1.0}, indent=2)) == {"a": 1.0}
+
+
+def test_bench_closes_its_runtime_when_a_step_raises(monkeypatch):
+    """A failing step (here: a RuntimeError from the step itself) still closes the runtime it made
+    (its process group, under torchrun), and the error reaches the caller."""
+    import moe_train.bench as bench
+    from moe_train.config_io import build_config
+
+    real, closed = bench.synthetic_steps, []
+
+    def failing_steps(cfg):
+        runtime, _ = real(cfg)
+        close = runtime.close
+        monkeypatch.setattr(runtime, "close", lambda: (closed.append(True), close())[1])
+
+        def one_step(i):
+            raise RuntimeError("step failed")
+        return runtime, one_step
+
+    monkeypatch.setattr(bench, "synthetic_steps", failing_steps)
+    cfg = build_config("tiny", overrides={"model.num_layers": "1", "data.seq_len": "16", "train.micro_batch_size": "1"})
+    with pytest.raises(RuntimeError, match="step failed"):
+        bench.run_bench(cfg, steps=1, warmup=1)
+    assert closed == [True]

@@ -59,24 +59,26 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
     runtime, one_step = synthetic_steps(cfg)
     device = runtime.device
     seq, mb = cfg.data.seq_len, t.micro_batch_size
-    for i in range(warmup):
-        one_step(i)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
-    loss = 0.0
-    for i in range(steps):
-        loss = one_step(warmup + i)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    # the slowest rank's time and the largest peak memory over the job
-    slowest, peak_mem_max = max_over_ranks([elapsed, peak_mem or 0.0], runtime.rank, runtime.world_size,
-                                           runtime.all_reduce_sum, runtime.device)
+    try:  # the process group is closed however the run ends
+        for i in range(warmup):
+            one_step(i)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        loss = 0.0
+        for i in range(steps):
+            loss = one_step(warmup + i)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        # the slowest rank's time and the largest peak memory over the job
+        slowest, peak_mem_max = max_over_ranks([elapsed, peak_mem or 0.0], runtime.rank, runtime.world_size,
+                                               runtime.all_reduce_sum, runtime.device)
+    finally:
+        runtime.close()
     peak_mem_max = peak_mem_max if peak_mem is not None else None
-    runtime.close()
     tokens = steps * t.grad_accum * mb * seq
     tps = tokens / elapsed
     fpt = flops_per_token(m, seq)
