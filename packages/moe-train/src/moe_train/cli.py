@@ -153,6 +153,9 @@ def _parser() -> _Parser:
     s.add_argument("--out", type=_path, required=True, help="the data folder to write (an existing one is replaced)")
     s.add_argument("--vocab-size", type=int, default=None, help=f"of the BPE trained here (default {PREPARE_VOCAB_SIZE})")
     s.add_argument("--tokenizer", type=_path, default=None, help="an existing tokenizer.json instead of training a BPE")
+    s.add_argument("--eos-token", default=None, metavar="TOKEN",
+                   help="with --tokenizer: the token that ends each document (default: the first of <|endoftext|>, "
+                        "<|end_of_text|>, </s>, <eos> it has)")
     s.add_argument("--max-bytes", type=int, default=None,
                    help=f"how much of the default corpus to read, when no inputs are given (default {PREPARE_MAX_BYTES})")
     for command in sub.choices.values():  # `moe-train train --version` too, not an override named "version"
@@ -210,6 +213,9 @@ def _cmd_prepare(args) -> None:
     if args.tokenizer is not None and args.vocab_size is not None:
         raise ConfigError(f"--vocab-size={args.vocab_size} with --tokenizer={args.tokenizer}: an existing tokenizer "
                           "keeps its own vocabulary; pass one of the two")
+    if args.eos_token is not None and args.tokenizer is None:
+        raise ConfigError(f"--eos-token={args.eos_token} without --tokenizer: the BPE trained here ends documents "
+                          "with <|endoftext|>; pass --tokenizer too, or drop --eos-token")
     if args.max_bytes is not None and args.max_bytes < 1:
         raise ConfigError(f"--max-bytes={args.max_bytes}: expected a positive number of bytes")
     if args.inputs and args.max_bytes is not None:
@@ -221,7 +227,8 @@ def _cmd_prepare(args) -> None:
         max_bytes = PREPARE_MAX_BYTES if args.max_bytes is None else args.max_bytes
         docs, source = stdlib_documents(max_bytes), "python-stdlib"
     vocab_size = PREPARE_VOCAB_SIZE if args.vocab_size is None else args.vocab_size
-    out = prepare_data(docs, args.out, vocab_size=vocab_size, tokenizer_path=args.tokenizer, source=source)
+    out = prepare_data(docs, args.out, vocab_size=vocab_size, tokenizer_path=args.tokenizer, source=source,
+                       eos_token=args.eos_token)
     print(f"wrote {out}")
 
 

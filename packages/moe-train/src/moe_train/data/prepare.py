@@ -19,6 +19,9 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from moe_train.data.token_file import FORMAT, DataError, SplitWriter, write_meta
 
 EOS = "<|endoftext|>"
+# what an existing tokenizer may call its end-of-document token, looked for in this order (GPT-2/NeoX/Qwen,
+# Llama 3, Llama 2/Mistral/T5, Gemma)
+EOS_NAMES = (EOS, "<|end_of_text|>", "</s>", "<eos>")
 EVAL_BLOCK_TOKENS = 2048
 
 
@@ -152,8 +155,30 @@ def _load_tokenizer(path: str) -> Tokenizer:
         raise DataError(f"--tokenizer {path!r}: not a Hugging Face tokenizer.json ({e})") from None
 
 
+def _eos_id(tok: Tokenizer, tokenizer_path: str | None, eos_token: str | None) -> int:
+    """The id that ends each document: eos_token's, else the first of EOS_NAMES the tokenizer has. A tokenizer
+    with none of them is refused: any other id would be a real token of the text, read as a document's end."""
+    if eos_token is not None:
+        eos_id = tok.token_to_id(eos_token)
+        if eos_id is None:
+            raise DataError(f"--eos-token {eos_token!r}: not in the tokenizer's vocabulary; expected one of its tokens "
+                            f"(its special tokens: {_special_tokens(tok)})")
+        return eos_id
+    for name in EOS_NAMES:
+        eos_id = tok.token_to_id(name)
+        if eos_id is not None:
+            return eos_id
+    raise DataError(f"--tokenizer {tokenizer_path!r}: has no end-of-document token (looked for {', '.join(EOS_NAMES)}); "
+                    f"name the one to use with --eos-token (its special tokens: {_special_tokens(tok)})")
+
+
+def _special_tokens(tok: Tokenizer) -> str:
+    names = [t.content for t in tok.get_added_tokens_decoder().values() if t.special]
+    return ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "") if names else "none"
+
+
 def _build(docs: Iterable[str], tmp: Path, vocab_size: int, tokenizer_path: str | None, eval_fraction: float,
-           source: str) -> None:
+           source: str, eos_token: str | None = None) -> None:
     if tokenizer_path:
         tok = _load_tokenizer(tokenizer_path)
     else:
@@ -164,9 +189,7 @@ def _build(docs: Iterable[str], tmp: Path, vocab_size: int, tokenizer_path: str 
             got = tok.get_vocab_size()
             warnings.warn(f"vocab_size={vocab_size} asked for, but the corpus gives only {got} tokens (no more pairs "
                           f"to merge); meta.json records vocab_size={got}", stacklevel=3)
-    eos_id = tok.token_to_id(EOS)
-    if eos_id is None:
-        eos_id = tok.get_vocab_size() - 1 if tokenizer_path else 0
+    eos_id = _eos_id(tok, tokenizer_path, eos_token)
     tok.save(str(tmp / "tokenizer.json"))
     # A document's text "<|endoftext|>" (code about tokenizers, say) is text, not the end of the document. Set
     # after saving: the tokenizer.json users load keeps the library's default.
@@ -246,13 +269,16 @@ def _install(tmp: Path, out: Path) -> None:
 
 def prepare_data(
     docs: Iterable[str], out: str | Path, vocab_size: int = 4096, tokenizer_path: str | None = None,
-    eval_fraction: float = 0.02, source: str = "",
+    eval_fraction: float = 0.02, source: str = "", eos_token: str | None = None,
 ) -> Path:
     """Write a data folder at `out` (built in a temporary folder, then renamed). Returns its path.
     `docs` is read once per pass, never held whole: twice when a BPE is trained here (a list, or `Documents` such
     as `text_file_documents(...)`, which reads its files afresh each pass), once with `tokenizer_path` (a
     generator will do). Empty and whitespace-only documents are left out (they would be an end-of-text token
-    alone)."""
+    alone). eos_token: the token that ends each document (default: the first of EOS_NAMES the tokenizer has; one
+    with none of them is refused)."""
+    if eos_token is not None and tokenizer_path is None:
+        raise DataError(f"eos_token={eos_token!r} without a tokenizer: the BPE trained here ends documents with {EOS!r}")
     out = Path(os.path.abspath(out)) if Path(out).name in ("", "..") else Path(out)  # "--out ." has a name to rename
     if tokenizer_path is None and iter(docs) is docs:
         raise TypeError(f"docs is a one-shot iterator ({type(docs).__name__}), and training a BPE reads the documents "
@@ -263,7 +289,7 @@ def prepare_data(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        _build(docs, tmp, vocab_size, tokenizer_path, eval_fraction, source)
+        _build(docs, tmp, vocab_size, tokenizer_path, eval_fraction, source, eos_token)
         _check_replaceable(out)  # nothing of someone else's arrived there while we worked
         _install(tmp, out)
     except BaseException:

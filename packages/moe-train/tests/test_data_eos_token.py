@@ -1,0 +1,66 @@
+"""prepare-data with an existing tokenizer: which token ends each document (--eos-token, or the first of the
+usual names the tokenizer has), and a tokenizer with none of them refused before anything is written."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from moe_train.cli import main
+from moe_train.data import DataError, prepare_data
+
+DOCS = ["the quick brown fox jumps over the lazy dog\n" * 3, "pack my box with five dozen liquor jugs\n" * 2] * 20
+
+
+def _tokenizer(tmp_path, specials):
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=list(specials),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(DOCS, trainer=trainer)
+    path = tmp_path / f"tok-{len(specials)}.json"
+    tok.save(str(path))
+    return str(path), tok
+
+
+def _ends_with(folder, eos_id):
+    meta = json.loads((folder / "meta.json").read_text())
+    tokens = np.fromfile(folder / "train.u32", dtype=np.uint32)
+    assert meta["eos_id"] == eos_id and tokens[-1] == eos_id
+    return int((tokens == eos_id).sum())
+
+
+def test_a_llama_style_end_token_is_found(tmp_path):
+    path, tok = _tokenizer(tmp_path, ["<s>", "</s>"])
+    out = prepare_data(DOCS, tmp_path / "d", tokenizer_path=path, eval_fraction=0.1)
+    assert _ends_with(out, tok.token_to_id("</s>")) >= 1
+
+
+def test_a_tokenizer_without_an_end_token_is_refused_naming_the_option(tmp_path):
+    path, tok = _tokenizer(tmp_path, ["<pad>"])
+    with pytest.raises(DataError, match=r"no end-of-document token.*--eos-token.*<pad>"):
+        prepare_data(DOCS, tmp_path / "d", tokenizer_path=path)
+    assert not (tmp_path / "d").exists()  # refused before anything was written
+    out = prepare_data(DOCS, tmp_path / "d", tokenizer_path=path, eos_token="<pad>", eval_fraction=0.1)
+    assert _ends_with(out, tok.token_to_id("<pad>")) >= 1
+
+
+def test_an_eos_token_the_tokenizer_lacks_is_refused(tmp_path):
+    path, _ = _tokenizer(tmp_path, ["</s>"])
+    with pytest.raises(DataError, match=r"--eos-token '<\|im_end\|>': not in the tokenizer's vocabulary"):
+        prepare_data(DOCS, tmp_path / "d", tokenizer_path=path, eos_token="<|im_end|>")
+
+
+def test_cli_eos_token_needs_a_tokenizer(tmp_path, capsys):
+    src = tmp_path / "a.txt"
+    src.write_text(DOCS[0])
+    assert main(["prepare-data", str(src), "--out", str(tmp_path / "d"), "--eos-token", "</s>"]) == 2
+    assert "--eos-token=</s> without --tokenizer" in capsys.readouterr().err
+    path, tok = _tokenizer(tmp_path, ["<pad>"])
+    (tmp_path / "many.txt").write_text("\n\n".join(DOCS))
+    assert main(["prepare-data", str(tmp_path / "many.txt"), "--out", str(tmp_path / "d"), "--tokenizer", path,
+                 "--eos-token", "<pad>"]) == 0
+    assert json.loads((tmp_path / "d" / "meta.json").read_text())["eos_id"] == tok.token_to_id("<pad>")
