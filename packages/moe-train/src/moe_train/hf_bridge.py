@@ -176,6 +176,7 @@ def export_hf(
             model_dict: dict[str, Any] = dataclasses.asdict(source.cfg)
             tensors: TensorSource = source.state_dict()
         else:
+            _check_export_out(_resolve_checkpoint(Path(source)), Path(out_dir))  # before anything is read
             cfg, tensors = open_files.enter_context(open_checkpoint_source(source))
             model_dict = cfg.to_dict()["model"]
             choose_model_type(model_dict, allow_benchmark_routing)  # a refusal comes before the tokenizer warning
@@ -201,6 +202,19 @@ def export_hf(
     if push_to_hub:
         push_folder(out_dir, push_to_hub, private=private)
     return summary
+
+
+def _check_export_out(checkpoint: Path, out: Path) -> None:
+    """The export renames its finished folder over out_dir: never over the checkpoint it reads (a model.safetensors
+    + config.json checkpoint holds only names an export writes, so the out_dir check alone would let it replace
+    the fp32 checkpoint by the export), nor over a folder holding it."""
+    if not out.exists() or not checkpoint.exists():
+        return
+    source, target = checkpoint.resolve(), out.resolve()
+    if source == target or target in source.parents:
+        what = ("is the checkpoint being exported" if source == target
+                else f"holds the checkpoint being exported ({checkpoint})")
+        raise HFConversionError(f"out_dir={str(out)!r} {what}: the export would replace it; choose another out_dir")
 
 
 def push_folder(folder: str | Path, repo_id: str, *, private: bool = True) -> None:

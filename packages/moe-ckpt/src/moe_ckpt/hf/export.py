@@ -100,7 +100,10 @@ def export_hf_folder(
     _warn_unaligned_experts(model_config, dtype, out_dir)
     shard_of, total = _assign_shards(plan, dtype, max_shard_bytes)
     n_shards = shard_of[-1] + 1
-    final = Path(out_dir)
+    # A link to a folder is written through: the export replaces the folder it points to (beside which the
+    # temporary folder is made, on its file system) and the link stays. Renaming the link itself aside would put
+    # the export where the link is and leave the link behind as a leftover no later export removes.
+    final = Path(os.path.realpath(out_dir)) if Path(out_dir).is_symlink() else Path(out_dir)
     if tokenizer_json is not None and not Path(tokenizer_json).is_file():  # before any shard is written
         raise HFConversionError(f"tokenizer_json={str(tokenizer_json)!r} is not a file; "
                                 "expected a tokenizers tokenizer.json")
@@ -114,7 +117,7 @@ def export_hf_folder(
         _replace(final, out)
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    return ExportSummary(final, ARCH[model_type], num_tensors, total, n_shards, time.perf_counter() - start)
+    return ExportSummary(Path(out_dir), ARCH[model_type], num_tensors, total, n_shards, time.perf_counter() - start)
 
 
 def _warn_unaligned_experts(model_config: dict[str, Any], dtype: str, out_dir: str | Path) -> None:

@@ -93,8 +93,10 @@ def _tensor_files(folder: Path) -> dict[str, str]:
         return {k: "model.safetensors" for k in f.keys()}
 
 
-def _shapes(folder: Path, files: dict[str, str]) -> dict[str, tuple[int, ...]]:
+def _shapes(folder: Path, files: dict[str, str]) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """Every tensor's shape, from the headers of the files `files` names, and the file that holds it."""
     shapes: dict[str, tuple[int, ...]] = {}
+    held_in: dict[str, str] = {}
     for fname in sorted(set(files.values())):
         path = folder / fname
         if not path.is_file():
@@ -102,7 +104,23 @@ def _shapes(folder: Path, files: dict[str, str]) -> dict[str, tuple[int, ...]]:
         with open_safetensors(path) as f:
             for k in f.keys():
                 shapes[k] = tuple(f.get_slice(k).get_shape())
-    return shapes
+                held_in.setdefault(k, fname)
+    return shapes, held_in
+
+
+def _check_weight_map(folder: Path, files: dict[str, str], held_in: dict[str, str], name: str) -> None:
+    """The index's file for tensor `name` (which a shard holds) must be one that holds it: tensors are read by
+    the index, as transformers reads them (a tensor the index leaves out is one transformers never loads)."""
+    index = folder / "model.safetensors.index.json"
+    if name not in files:
+        raise HFConversionError(f"{index} does not list tensor {name}, which {held_in[name]} holds; "
+                                "add it to the weight_map")
+    if files[name] != held_in[name]:
+        with open_safetensors(folder / files[name]) as f:
+            if name in f.keys():
+                return
+        raise HFConversionError(f"{index} maps tensor {name} to {files[name]}, which does not hold it; "
+                                f"{held_in[name]} does")
 
 
 def _attention_defaults_hint(name: str, hf_config: dict[str, Any], model_config: dict[str, Any]) -> str:
@@ -135,11 +153,12 @@ def open_hf_folder(folder: str | Path) -> HFFolder:
         raise HFConversionError(f"config.json architectures={[arch]}: expected [{ARCH[model_type]!r}] for {model_type}")
     plan = build_plan(model_config, model_type)
     files = _tensor_files(root)
-    shapes = _shapes(root, files)
+    shapes, held_in = _shapes(root, files)
     expected = {name: shape for e in plan for name, shape in e.hf}
     for name, shape in expected.items():
         if name not in shapes:
             raise HFConversionError(f"tensor {name} (shape {list(shape)}) is missing from {str(root)!r}")
+        _check_weight_map(root, files, held_in, name)
         if shapes[name] != shape:
             raise HFConversionError(
                 f"tensor {name} has shape {list(shapes[name])}, expected {list(shape)} from config.json"
