@@ -100,3 +100,22 @@ def test_bench_closes_its_runtime_when_a_step_raises(monkeypatch):
     with pytest.raises(RuntimeError, match="step failed"):
         bench.run_bench(cfg, steps=1, warmup=1)
     assert closed == [True]
+
+
+@pytest.mark.parametrize("edit,named", [
+    (lambda m: m.pop("sampler"), "sampler=None, expected an object"),
+    (lambda m: m.update(step="6"), "step='6', expected an integer >= 0"),
+    (lambda m: m["layout"].pop("world_size"), "layout.world_size=None, expected a positive integer"),
+])
+def test_a_resume_from_edited_metadata_names_the_field_before_loading(tmp_path, data_dir, make_config, edit, named):
+    """metadata.json that is valid JSON but lacks (or mistypes) a field the trainer's resume reads is refused
+    naming the file and field, before any tensor is read (it was a bare KeyError half-way through restoring)."""
+    from moe_ckpt import CorruptMetadataError
+
+    Trainer(make_config(tmp_path, steps=2, eval_interval=0, save_interval=2)).train()
+    meta_path = next((tmp_path / "run" / "checkpoints").glob("step-*")) / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    edit(meta)
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(CorruptMetadataError, match=r"metadata\.json: " + named.replace("(", r"\(").replace(")", r"\)")):
+        Trainer(make_config(tmp_path, steps=4, eval_interval=0, save_interval=2)).train()

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from moe_ckpt import (
-    AsyncCheckpointer, Box, FlatRange, LoadRequest, ShardSpec, fail_together, find_latest, inspect_checkpoint,
+    AsyncCheckpointer, Box, CorruptMetadataError, FlatRange, LoadRequest, ShardSpec, fail_together, find_latest, inspect_checkpoint,
     load_checkpoint, load_metadata, save_checkpoint, step_dir, step_of,
 )
 from moe_train.config import Config, ConfigError
@@ -89,6 +89,27 @@ def check_same_model(path: Path, cfg: Config) -> None:
     if diffs:
         raise ConfigError(f"{path} was written for another configuration ({'; '.join(diffs)}); "
                           "use the checkpoint's settings or a new train.run_dir")
+
+
+_TRAINER_METADATA = {  # what restore reads, and the JSON type each must be
+    "step": int, "skipped_steps": int, "sampler": dict, "rng": dict, "layout": dict,
+}
+
+
+def check_trainer_metadata(path: Path) -> None:
+    """The fields the trainer's resume reads are there with their types, before any tensor is loaded: metadata.json
+    that is valid JSON but edited or written by another program fails here naming the field, not as a KeyError
+    half-way through restoring."""
+    meta = load_metadata(path)
+    where = path / "metadata.json"
+    for key, kind in _TRAINER_METADATA.items():
+        value = meta.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+            expected = "an integer >= 0" if kind is int else "an object"
+            raise CorruptMetadataError(f"{where}: {key}={value!r}, expected {expected} (the trainer writes it)")
+    if not isinstance(meta["layout"].get("world_size"), int) or meta["layout"]["world_size"] < 1:
+        raise CorruptMetadataError(f"{where}: layout.world_size={meta['layout'].get('world_size')!r}, expected a "
+                                   "positive integer (the trainer writes it)")
 
 
 def check_not_past_the_end(path: Path, steps: int) -> None:

@@ -225,6 +225,7 @@ class Trainer:
         if path is None:
             ckpt.check_not_an_import(self.run_dir)
         else:
+            ckpt.check_trainer_metadata(path)
             ckpt.check_same_model(path, self.cfg)
             ckpt.check_not_past_the_end(path, self.cfg.train.steps)
         if self.cfg.train.save_interval > 0:  # a run that saves nothing writes over nothing
