@@ -117,13 +117,15 @@ class AllToAllDispatcher:
         raises on every rank after one small exchange, before any row moves: the rank at fault its
         own error, the others a ValueError naming that rank.
         """
-        # The counts exchange is [ep, E_local + header] on every rank, so E cannot travel in it.
-        if route_map.num_experts != self.num_experts:
-            raise ValueError(f"route map has {route_map.num_experts} experts, dispatcher expects {self.num_experts}")
         ep, e_local = self.ep_size, self.num_local_experts
         problem: Exception | None = None
         payload = None
         try:
+            # The counts exchange is [ep, E_local + header] on every rank, so this rank's E cannot travel
+            # in it; a route map over another E is refused through the status header instead (raised
+            # here alone, it left the other EP ranks waiting in the count exchange until the timeout).
+            if route_map.num_experts != self.num_experts:
+                raise ValueError(f"route map has {route_map.num_experts} experts, dispatcher expects {self.num_experts}")
             dtype = route_map.counts.dtype
             if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
                 raise ValueError(f"route map counts must be an integer tensor, got dtype={dtype}")

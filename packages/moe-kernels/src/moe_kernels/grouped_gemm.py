@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-from moe_kernels.triton import use_triton
+from moe_kernels.triton import dense_rows, use_triton
 
 GemmBackend = Literal["auto", "triton", "torch", "reference"]
 
@@ -112,11 +112,11 @@ def require_torch_grouped_mm(x: torch.Tensor, w: torch.Tensor, in_cols: int | No
 
 
 def _contiguous_grad(grad: torch.Tensor) -> torch.Tensor:
-    return grad.contiguous()
+    return dense_rows(grad)
 
 
 def grouped_gemm_torch(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    out = torch._grouped_mm(x.contiguous(), w, offs=offsets)
+    out = torch._grouped_mm(dense_rows(x), w, offs=offsets)
     if out.requires_grad:
         out.register_hook(_contiguous_grad)
     return out

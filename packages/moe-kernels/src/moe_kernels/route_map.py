@@ -87,6 +87,9 @@ def positive_int(name: str, value: Any) -> int:
     return number
 
 
+_UNSIGNED_SHELL_DTYPES = tuple(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n))
+
+
 def _check_ids_on_host(expert_ids: torch.Tensor, num_experts: int) -> None:
     bad = (expert_ids < 0) | (expert_ids >= num_experts)
     if bool(bad.any()):
@@ -118,6 +121,8 @@ def build_route_map(expert_ids: torch.Tensor, num_experts: int, backend: RouteMa
     num_tokens, top_k = expert_ids.shape
     if top_k == 0:  # every token would go nowhere; the row kernels divide rows by k
         raise ValueError(f"expert_ids has 0 columns (shape {tuple(expert_ids.shape)}): top_k must be >= 1")
+    if expert_ids.dtype in _UNSIGNED_SHELL_DTYPES:  # integers, but torch has no comparisons or sort for them
+        expert_ids = expert_ids.to(torch.int64)  # (a uint64 id past 2**63 wraps negative and is refused below)
     if expert_ids.device.type == "cpu":
         _check_ids_on_host(expert_ids, num_experts)
     if use_triton(backend, expert_ids):

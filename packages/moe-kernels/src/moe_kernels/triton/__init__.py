@@ -86,6 +86,16 @@ def use_triton(backend: str, t: torch.Tensor) -> bool:
     return backend == "auto" and triton_takes_dtype(t) and triton_runs_on(t)
 
 
+def dense_rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` with the row-major strides torch's grouped_mm and the kernels expect. `.contiguous()` alone
+    is not enough: a tensor with no elements counts as contiguous whatever its strides, and the
+    gradient of `out.sum()` for an empty `out` is an expanded tensor with stride 0, which
+    grouped_mm refuses ("Invalid strides/sizes")."""
+    if t.numel() == 0:  # a clone (differentiable, and free: no elements) gets the standard strides
+        return t.clone(memory_format=torch.contiguous_format)
+    return t.contiguous()
+
+
 def refuse_double_backward(op: str) -> None:
     """Called first in the backward of every triton autograd Function. Their backward kernels build
     no autograd graph, so torch.autograd.grad(..., create_graph=True) (a gradient penalty, a Hessian

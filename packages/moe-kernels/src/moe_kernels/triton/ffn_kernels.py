@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 
-from moe_kernels.triton import refuse_double_backward
+from moe_kernels.triton import dense_rows, refuse_double_backward
 from moe_kernels.triton.grouped_gemm_kernels import grouped_gemm_launch, grouped_wgrad_launch
 from moe_kernels.triton.permute_kernels import combine_backward, gather_sum, scatter_rows
 from moe_kernels.triton.swiglu_kernels import swiglu_backward, swiglu_forward
@@ -87,7 +87,7 @@ class SwigluFFNFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weights, w1, w2, offsets, sort_order, dest_row, top_k, plan):
         """x: [T, d] (routed) or [N, d] (sorted rows); w1: [E, d, 2h]; w2: [E, h, d]."""
-        x = x.contiguous()
+        x = dense_rows(x)
         routed = dest_row is not None
         n_rows = sort_order.shape[0] if routed else x.shape[0]
         h = w2.shape[1]
@@ -114,7 +114,7 @@ class SwigluFFNFn(torch.autograd.Function):
     def backward(ctx, g):
         refuse_double_backward("SwigluFFNFn")
         x, xs, weights, w1, w2, offsets, sort_order, dest_row, pre, act, y = ctx.saved_tensors
-        g = g.contiguous()
+        g = dense_rows(g)  # an empty g from out.sum() has stride 0, which grouped_mm refuses
         routed, k, plan = ctx.routed, ctx.top_k, ctx.plan
         gw = None
         if routed:
