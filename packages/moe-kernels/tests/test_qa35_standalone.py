@@ -143,3 +143,18 @@ def test_route_map_over_another_num_experts_on_one_rank_raises_on_every_rank(tmp
         assert res["then_good"] == D
     assert "route map has 8 experts, dispatcher expects 4" in results[1]["bad"]
     assert "EP rank 1" in results[0]["bad"]
+
+
+def test_a_hand_built_route_map_with_int32_rows_holds_int64_ones():
+    """sort_order / dest_row index rows times the row stride in their own dtype inside the kernels: a hand-built
+    map's int32 ones are widened, so a big batch (past 2**31 elements) cannot wrap."""
+    import moe_kernels as moe
+
+    ids = torch.tensor([[0, 1], [1, 0], [1, 1]])
+    ref = moe.build_route_map(ids, 2, backend="reference")
+    rm = moe.RouteMap(ref.num_tokens, ref.top_k, ref.num_experts, ref.counts, ref.offsets,
+                      ref.sort_order.to(torch.int32), ref.dest_row.to(torch.int32))
+    assert rm.sort_order.dtype == torch.int64 and rm.dest_row.dtype == torch.int64
+    assert torch.equal(rm.sort_order, ref.sort_order) and torch.equal(rm.dest_row, ref.dest_row)
+    x = torch.randn(3, 4)
+    assert torch.equal(moe.permute(x, rm, backend="reference"), moe.permute(x, ref, backend="reference"))

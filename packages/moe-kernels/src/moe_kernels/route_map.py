@@ -49,6 +49,10 @@ class RouteMap:
                 raise ValueError(f"RouteMap.{name} has shape {got}, expected {want} (T={self.num_tokens}, k={self.top_k}, E={e})")
         for name in ("counts", "offsets", "sort_order", "dest_row"):
             object.__setattr__(self, name, getattr(self, name).contiguous())  # a no-op when already contiguous
+        for name in ("sort_order", "dest_row"):  # the row kernels multiply them by a row stride in their own dtype:
+            t = getattr(self, name)  # int32 would wrap past 2**31 elements (a hand-built map's choice)
+            if not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype in (torch.int64, torch.bool)):
+                object.__setattr__(self, name, t.to(torch.int64))
 
     @property
     def num_rows(self) -> int:
