@@ -13,11 +13,14 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
+import sys
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,8 +127,12 @@ def test_route_map_over_another_num_experts_on_one_rank_raises_on_every_rank(tmp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # children unpickle the worker by this module's plain name: under `uv run pytest` (CI) the module is not
+    # importable by the dotted name pytest gave it
+    sys.path.insert(0, str(Path(__file__).parent))
+    worker = importlib.import_module(Path(__file__).stem)._other_num_experts_on_rank1
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_other_num_experts_on_rank1, args=(r, port, str(tmp_path))) for r in range(WORLD)]
+    procs = [ctx.Process(target=worker, args=(r, port, str(tmp_path))) for r in range(WORLD)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + DEADLINE_S
