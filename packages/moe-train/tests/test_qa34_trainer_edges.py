@@ -119,3 +119,32 @@ def test_a_resume_from_edited_metadata_names_the_field_before_loading(tmp_path, 
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(CorruptMetadataError, match=r"metadata\.json: " + named.replace("(", r"\(").replace(")", r"\)")):
         Trainer(make_config(tmp_path, steps=4, eval_interval=0, save_interval=2)).train()
+
+
+def test_a_streak_of_skipped_steps_goes_on_across_a_resume(tmp_path, data_dir, make_config):
+    """train.max_skipped_steps counts consecutive non-finite steps; a run saved in the middle of a streak and
+    resumed (a job restarted by its scheduler) stops where the unbroken run would have, not N steps later."""
+    from moe_train.trainer.errors import TrainingError
+
+    def poisoned(trainer, bad_steps):
+        step = trainer._train_step
+
+        def run():
+            if trainer.step + 1 not in bad_steps:
+                return step()
+            with torch.no_grad():
+                saved = trainer.model.embed.weight[:, 0].clone()
+                trainer.model.embed.weight[:, 0] = float("nan")
+            try:
+                return step()
+            finally:
+                with torch.no_grad():
+                    trainer.model.embed.weight[:, 0] = saved
+        trainer._train_step = run
+        return trainer
+
+    first = poisoned(Trainer(make_config(tmp_path, steps=3, eval_interval=0, save_interval=3, max_skipped_steps=3)), {2, 3})
+    assert first.train()["skipped_steps"] == 2
+    second = poisoned(Trainer(make_config(tmp_path, steps=5, eval_interval=0, save_interval=3, max_skipped_steps=3)), {4})
+    with pytest.raises(TrainingError, match="non-finite for 3 consecutive steps"):
+        second.train()

@@ -207,7 +207,8 @@ class Trainer:
     def _metadata(self) -> dict[str, Any]:
         p = self.cfg.parallel
         return {
-            "step": self.step, "skipped_steps": self.skipped_steps, "sampler": self.sampler.state_dict(),
+            "step": self.step, "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
+            "sampler": self.sampler.state_dict(),
             "config": self.cfg.to_dict(), "rng": capture_rng_state(),
             "layout": {"world_size": self.runtime.world_size, "dp": p.dp, "ep": p.ep, "pp": p.pp,
                        "strategy": p.strategy, "runtime": type(self.runtime).__name__},
@@ -237,6 +238,8 @@ class Trainer:
         meta = ckpt.load(path, self.runtime, self.model)
         self.step = int(meta["step"])
         self.skipped_steps = int(meta["skipped_steps"])
+        # a streak of skipped steps goes on across a restart (checkpoints before 0.9.8 do not record it: 0)
+        self.consecutive_skips = int(meta.get("consecutive_skips", 0))
         data_change = ckpt.train_data_change(meta["sampler"], self.sampler.num_windows, self.cfg.data.seed)
         self.sampler.load_state_dict(meta["sampler"])
         if data_change and self.is_main:
