@@ -11,16 +11,14 @@ grouped_mm and the package's tuned Triton GEMM, random-routing counts, two inter
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from explore_common import interleaved_tflops, routed_problems, write_report
 
 BLOCK_M, BLOCK_N, BLOCK_K, STAGES = 128, 256, 64, 4
 
@@ -158,11 +156,8 @@ def gluon_fwd(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, skip_tail
 
 
 def main():
-    import triton.testing
-
     from moe_kernels.triton.grouped_gemm_kernels import grouped_gemm_launch
 
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")  # noqa: E731
     results = []
     # correctness first: odd counts, empty experts, tails of 1..128 rows
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -177,42 +172,29 @@ def main():
         err = ((out - ref).norm() / ref.norm()).item()
         print("check skip", skip, "rel err", err, flush=True)
         assert err < 1e-2, err
-    for name, (T, d, h, k) in {"b": (16384, 4096, 4096, 4), "a": (16384, 2048, 1024, 8)}.items():
-        for E in (128, 8):
-            g = torch.Generator(device="cuda").manual_seed(0)
-            n = T * k
-            ids = torch.randn(T, E, device="cuda", generator=g).topk(k, dim=1).indices.reshape(-1)
-            offs = torch.cumsum(torch.bincount(ids, minlength=E), 0).to(torch.int32)
-            K, N = h, d  # fwd2: act [rows, h] @ W2[e] [h, d]
-            a = torch.randn(n, K, device="cuda", generator=g).bfloat16()
-            b = (torch.randn(E, K, N, device="cuda", generator=g) / K**0.5).bfloat16()
-            flops = 2 * n * K * N
-            ref = torch._grouped_mm(a, b, offs=offs).float()
-            c = torch.empty(n, N, dtype=a.dtype, device="cuda")
-            methods = {"grouped_mm": lambda: torch._grouped_mm(a, b, offs=offs),
-                       "triton_tuned": lambda: grouped_gemm_launch(a, b, offs, out_cols=N, c=c)}
-            errors = {}
-            for skip in (False, True):
-                fn = lambda skip=skip: gluon_fwd(a, b, offs, skip)  # noqa: E731
-                try:
-                    errors[f"gluon_skip{int(skip)}"] = ((fn().float() - ref).norm() / ref.norm()).item()
-                    methods[f"gluon_skip{int(skip)}"] = fn
-                except Exception as exc:  # noqa: BLE001
-                    errors[f"gluon_skip{int(skip)}"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            methods["triton_tuned"]()
-            times = {m: [] for m in methods}
-            for _ in range(2):
-                for m, fn in methods.items():
-                    times[m].append(bench(fn))
-            tflops = {m: flops / min(t) / 1e9 for m, t in times.items()}
-            results.append(dict(shape=name, E=E, op="fwd2", rows=n, K=K, N=N, tflops=tflops, ms=times, rel_err=errors))
-            print(name, E, {m: round(v) for m, v in tflops.items()}, errors, flush=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    doc = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, commit=commit,
-               results=results)
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            json.dump(doc, f, indent=1)
+    for name, T, d, h, k, E, offs, g in routed_problems((128, 8)):
+        n = T * k
+        K, N = h, d  # fwd2: act [rows, h] @ W2[e] [h, d]
+        a = torch.randn(n, K, device="cuda", generator=g).bfloat16()
+        b = (torch.randn(E, K, N, device="cuda", generator=g) / K**0.5).bfloat16()
+        flops = 2 * n * K * N
+        ref = torch._grouped_mm(a, b, offs=offs).float()
+        c = torch.empty(n, N, dtype=a.dtype, device="cuda")
+        methods = {"grouped_mm": lambda: torch._grouped_mm(a, b, offs=offs),
+                   "triton_tuned": lambda: grouped_gemm_launch(a, b, offs, out_cols=N, c=c)}
+        errors = {}
+        for skip in (False, True):
+            fn = lambda skip=skip: gluon_fwd(a, b, offs, skip)  # noqa: E731
+            try:
+                errors[f"gluon_skip{int(skip)}"] = ((fn().float() - ref).norm() / ref.norm()).item()
+                methods[f"gluon_skip{int(skip)}"] = fn
+            except Exception as exc:  # noqa: BLE001
+                errors[f"gluon_skip{int(skip)}"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        methods["triton_tuned"]()
+        times, tflops = interleaved_tflops(methods, flops)
+        results.append(dict(shape=name, E=E, op="fwd2", rows=n, K=K, N=N, tflops=tflops, ms=times, rel_err=errors))
+        print(name, E, {m: round(v) for m, v in tflops.items()}, errors, flush=True)
+    write_report(results, "explore_gluon_fwd.py")
 
 
 if __name__ == "__main__":

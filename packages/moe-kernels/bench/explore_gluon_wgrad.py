@@ -8,77 +8,56 @@ shapes, random-routing counts, two interleaved rounds; a few ring depths / chunk
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import torch
-import triton
+from explore_common import interleaved_tflops, median_ms, routed_problems, write_report
 
 
 def main():
-    import triton.testing
-
     from moe_kernels.triton import grouped_gemm_kernels as gg
     from moe_kernels.triton.gluon_wgrad import gluon_wgrad_launch
     from moe_kernels.triton.tuning import _unbuildable
 
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")  # noqa: E731
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     variants = {"gluon-r64s4-tma": (64, 4, True), "gluon-r64s5-tma": (64, 5, True), "gluon-r64s6": (64, 6, False),
                 "gluon-r128s3": (128, 3, False), "gluon-r32s12": (32, 12, False)}
     results = []
-    for name, (T, d, h, k) in {"b": (16384, 4096, 4096, 4), "a": (16384, 2048, 1024, 8)}.items():
-        for E in (128, 32, 8):
-            g = torch.Generator(device="cuda").manual_seed(0)
-            n = T * k
-            ids = torch.randn(T, E, device="cuda", generator=g).topk(k, dim=1).indices.reshape(-1)
-            offs = torch.cumsum(torch.bincount(ids, minlength=E), 0).to(torch.int32)
-            for op, (K, N) in {"wgrad1": (d, 2 * h), "wgrad2": (h, d)}.items():
-                a = torch.randn(n, K, device="cuda", generator=g).bfloat16()
-                b = torch.randn(n, N, device="cuda", generator=g).bfloat16()
-                flops = 2 * n * K * N
-                ref = torch._grouped_mm(a.t(), b, offs=offs).float()
-                # the best of the package's Triton configs, each forced
-                triton_ms = {}
-                for i, cfg in enumerate(gg._WGRAD_CONFIGS_BF16):
-                    try:
-                        gg.grouped_wgrad_launch(a, b, offs, E, config=cfg)
-                        triton_ms[i] = bench(lambda cfg=cfg: gg.grouped_wgrad_launch(a, b, offs, E, config=cfg))
-                    except Exception as exc:  # noqa: BLE001
-                        if not _unbuildable(exc):
-                            raise
-                best_cfg = gg._WGRAD_CONFIGS_BF16[min(triton_ms, key=triton_ms.get)]
-                methods = {"grouped_mm": lambda: torch._grouped_mm(a.t(), b, offs=offs),
-                           "triton_best": lambda: gg.grouped_wgrad_launch(a, b, offs, E, config=best_cfg)}
-                errors = {}
-                for vname, (rows, stages, tma_store) in variants.items():
-                    def fn(rows=rows, stages=stages, tma_store=tma_store):
-                        out = torch.empty(E, K, N, dtype=a.dtype, device="cuda")
-                        gluon_wgrad_launch(a, b, offs, out, sms, chunk_rows=rows, stages=stages, tma_store=tma_store)
-                        return out
-                    try:
-                        errors[vname] = ((fn().float() - ref).norm() / ref.norm()).item()
-                        methods[vname] = fn
-                    except Exception as exc:  # noqa: BLE001
-                        errors[vname] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                times = {m: [] for m in methods}
-                for _ in range(2):
-                    for m, fn in methods.items():
-                        times[m].append(bench(fn))
-                tflops = {m: flops / min(t) / 1e9 for m, t in times.items()}
-                row = dict(shape=name, E=E, op=op, rows=n, K=K, N=N, tflops=tflops, ms=times, rel_err=errors,
-                           triton_best_config=best_cfg)
-                results.append(row)
-                print(name, E, op, {m: round(v) for m, v in tflops.items()},
-                      {m: (round(v, 5) if isinstance(v, float) else v) for m, v in errors.items()}, flush=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    doc = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, commit=commit,
-               command="PYTHONPATH=packages/moe-kernels/src python3 packages/moe-kernels/bench/explore_gluon_wgrad.py OUT",
-               results=results)
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            json.dump(doc, f, indent=1)
+    for name, T, d, h, k, E, offs, g in routed_problems((128, 32, 8)):
+        n = T * k
+        for op, (K, N) in {"wgrad1": (d, 2 * h), "wgrad2": (h, d)}.items():
+            a = torch.randn(n, K, device="cuda", generator=g).bfloat16()
+            b = torch.randn(n, N, device="cuda", generator=g).bfloat16()
+            flops = 2 * n * K * N
+            ref = torch._grouped_mm(a.t(), b, offs=offs).float()
+            # the best of the package's Triton configs, each forced
+            triton_ms = {}
+            for i, cfg in enumerate(gg._WGRAD_CONFIGS_BF16):
+                try:
+                    gg.grouped_wgrad_launch(a, b, offs, E, config=cfg)
+                    triton_ms[i] = median_ms(lambda cfg=cfg: gg.grouped_wgrad_launch(a, b, offs, E, config=cfg))
+                except Exception as exc:  # noqa: BLE001
+                    if not _unbuildable(exc):
+                        raise
+            best_cfg = gg._WGRAD_CONFIGS_BF16[min(triton_ms, key=triton_ms.get)]
+            methods = {"grouped_mm": lambda: torch._grouped_mm(a.t(), b, offs=offs),
+                       "triton_best": lambda: gg.grouped_wgrad_launch(a, b, offs, E, config=best_cfg)}
+            errors = {}
+            for vname, (rows, stages, tma_store) in variants.items():
+                def fn(rows=rows, stages=stages, tma_store=tma_store):
+                    out = torch.empty(E, K, N, dtype=a.dtype, device="cuda")
+                    gluon_wgrad_launch(a, b, offs, out, sms, chunk_rows=rows, stages=stages, tma_store=tma_store)
+                    return out
+                try:
+                    errors[vname] = ((fn().float() - ref).norm() / ref.norm()).item()
+                    methods[vname] = fn
+                except Exception as exc:  # noqa: BLE001
+                    errors[vname] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            times, tflops = interleaved_tflops(methods, flops)
+            row = dict(shape=name, E=E, op=op, rows=n, K=K, N=N, tflops=tflops, ms=times, rel_err=errors,
+                       triton_best_config=best_cfg)
+            results.append(row)
+            print(name, E, op, {m: round(v) for m, v in tflops.items()},
+                  {m: (round(v, 5) if isinstance(v, float) else v) for m, v in errors.items()}, flush=True)
+    write_report(results, "explore_gluon_wgrad.py")
 
 
 if __name__ == "__main__":

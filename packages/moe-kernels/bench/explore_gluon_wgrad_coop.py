@@ -21,10 +21,6 @@ ping-pong kernel, two interleaved rounds.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -37,6 +33,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from explore_common import interleaved_tflops, routed_problems, write_report
 
 from moe_kernels.triton.gluon_wgrad import _tile_coords, _zero_rows_from
 
@@ -197,57 +195,40 @@ def _check(variant):
 
 
 def main():
-    import triton.testing
-
     from moe_kernels.triton import grouped_gemm_kernels as gg
     from moe_kernels.triton.gluon_wgrad import gluon_wgrad_launch
 
     for v in VARIANTS:
         _check(v)
         print("check", v, "ok", flush=True)
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")  # noqa: E731
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
-    for name, (T, d, h, k) in {"b": (16384, 4096, 4096, 4), "a": (16384, 2048, 1024, 8)}.items():
-        for E in (128, 8):
-            g = torch.Generator(device="cuda").manual_seed(0)
-            n = T * k
-            ids = torch.randn(T, E, device="cuda", generator=g).topk(k, dim=1).indices.reshape(-1)
-            offs = torch.cumsum(torch.bincount(ids, minlength=E), 0).to(torch.int32)
-            for op, (K, N) in {"wgrad1": (d, 2 * h), "wgrad2": (h, d)}.items():
-                a = torch.randn(n, K, device="cuda", generator=g).bfloat16()
-                b = torch.randn(n, N, device="cuda", generator=g).bfloat16()
-                flops = 2 * n * K * N
-                ref = torch._grouped_mm(a.t(), b, offs=offs).float()
+    for name, T, d, h, k, E, offs, g in routed_problems((128, 8)):
+        n = T * k
+        for op, (K, N) in {"wgrad1": (d, 2 * h), "wgrad2": (h, d)}.items():
+            a = torch.randn(n, K, device="cuda", generator=g).bfloat16()
+            b = torch.randn(n, N, device="cuda", generator=g).bfloat16()
+            flops = 2 * n * K * N
+            ref = torch._grouped_mm(a.t(), b, offs=offs).float()
 
-                def pingpong():
-                    out = torch.empty(E, K, N, dtype=a.dtype, device="cuda")
-                    gluon_wgrad_launch(a, b, offs, out, sms)
-                    return out
+            def pingpong():
+                out = torch.empty(E, K, N, dtype=a.dtype, device="cuda")
+                gluon_wgrad_launch(a, b, offs, out, sms)
+                return out
 
-                methods = {"grouped_mm": lambda: torch._grouped_mm(a.t(), b, offs=offs),
-                           "package_tuned": lambda: gg.grouped_wgrad_launch(a, b, offs, E),
-                           "gluon_pingpong": pingpong}
-                errors = {}
-                for v, (chunk, stages) in VARIANTS.items():
-                    fn = lambda chunk=chunk, stages=stages: coop_wgrad(a, b, offs, E, chunk, stages)  # noqa: E731
-                    errors[v] = ((fn().float() - ref).norm() / ref.norm()).item()
-                    methods[v] = fn
-                methods["package_tuned"]()
-                times = {m: [] for m in methods}
-                for _ in range(2):
-                    for m, fn in methods.items():
-                        times[m].append(bench(fn))
-                tflops = {m: flops / min(t) / 1e9 for m, t in times.items()}
-                results.append(dict(shape=name, E=E, op=op, rows=n, K=K, N=N, tflops=tflops, ms=times, rel_err=errors))
-                print(name, E, op, {m: round(v) for m, v in tflops.items()}, errors, flush=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    doc = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, commit=commit,
-               command="PYTHONPATH=packages/moe-kernels/src python3 packages/moe-kernels/bench/explore_gluon_wgrad_coop.py OUT",
-               results=results)
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            json.dump(doc, f, indent=1)
+            methods = {"grouped_mm": lambda: torch._grouped_mm(a.t(), b, offs=offs),
+                       "package_tuned": lambda: gg.grouped_wgrad_launch(a, b, offs, E),
+                       "gluon_pingpong": pingpong}
+            errors = {}
+            for v, (chunk, stages) in VARIANTS.items():
+                fn = lambda chunk=chunk, stages=stages: coop_wgrad(a, b, offs, E, chunk, stages)  # noqa: E731
+                errors[v] = ((fn().float() - ref).norm() / ref.norm()).item()
+                methods[v] = fn
+            methods["package_tuned"]()
+            times, tflops = interleaved_tflops(methods, flops)
+            results.append(dict(shape=name, E=E, op=op, rows=n, K=K, N=N, tflops=tflops, ms=times, rel_err=errors))
+            print(name, E, op, {m: round(v) for m, v in tflops.items()}, errors, flush=True)
+    write_report(results, "explore_gluon_wgrad_coop.py")
 
 
 if __name__ == "__main__":
