@@ -1,4 +1,4 @@
-"""Experiment: the Gluon ping-pong wgrad (moe_kernels.triton.gluon_wgrad: a loader warp and two
+"""Experiment: the Gluon ping-pong wgrad (gluon_pingpong_wgrad.py beside this script: a loader warp and two
 consumer warpgroups on alternate tiles, so one tile's epilogue overlaps the next tile's MMAs)
 against the best of the package's Triton wgrad configs and torch grouped_mm, on the block's wgrad
 shapes, random-routing counts, two interleaved rounds; a few ring depths / chunk heights.
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 from explore_common import interleaved_tflops, median_ms, routed_problems, write_report
+from gluon_pingpong_wgrad import pingpong_wgrad_launch
 
 
 def main():
     from moe_kernels.triton import grouped_gemm_kernels as gg
-    from moe_kernels.triton.gluon_wgrad import gluon_wgrad_launch
     from moe_kernels.triton.tuning import _unbuildable
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -44,7 +44,7 @@ def main():
             for vname, (rows, stages, tma_store) in variants.items():
                 def fn(rows=rows, stages=stages, tma_store=tma_store):
                     out = torch.empty(E, K, N, dtype=a.dtype, device="cuda")
-                    gluon_wgrad_launch(a, b, offs, out, sms, chunk_rows=rows, stages=stages, tma_store=tma_store)
+                    pingpong_wgrad_launch(a, b, offs, out, sms, chunk_rows=rows, stages=stages, tma_store=tma_store)
                     return out
                 try:
                     errors[vname] = ((fn().float() - ref).norm() / ref.norm()).item()

@@ -1,16 +1,12 @@
-"""Experiment (written 2026-12-04, compiled for sm_90 with triton 3.6 but NOT yet run on a GPU):
-a cooperative grouped wgrad in Gluon whose epilogue leaves the consumers at once.
+"""Experiment: the cooperative grouped wgrad in Gluon whose epilogue leaves the consumers at once
+(now the package's kernel, moe_kernels.triton.gluon_wgrad; this script first ran it as its own
+copy, results/h200_gluon_wgrad_coop.json, commit 1130e89).
 
-Why (bench/NOTES.md, end): the ping-pong wgrad (moe_kernels/triton/gluon_wgrad.py) holds two
-independent 128x128 tiles per SM and, by the arithmetic there, needs more shared-memory bytes per
-clock than the SM has; cuBLAS's cooperative 128x256 tile does not, but stalls at each tile's
-epilogue, which at E=128 (~512 rows per expert, ~8 row chunks per tile) leaves its tensor pipes
-idle ~1/3 of the time. Here both consumer warpgroups work on one 128x256 tile (64 rows of dW
-each, one m64n256k16 MMA per warpgroup and 16 rows), and at the end of a tile each dumps its
-accumulator to its own shared buffer and goes straight on to the next tile, whose stages the
-loader warp has already filled; a store warp writes the buffers out with TMA stores and frees
-them. Rows past an expert's end are zeroed in shared memory by each consumer before its MMA (A:
-its own half; B: both write the same zeros), so no other expert's value reaches a tile.
+Why (bench/NOTES.md): the ping-pong wgrad (gluon_pingpong_wgrad.py) holds two independent 128x128
+tiles per SM and, by the arithmetic there, needs more shared-memory bytes per clock than the SM
+has; cuBLAS's cooperative 128x256 tile does not, but stalls at each tile's epilogue, which at
+E=128 (~512 rows per expert) leaves its tensor pipes idle ~1/3 of the time. Here both consumer
+warpgroups work on one 128x256 tile and hand their accumulators to a store warp at its end.
 
     PYTHONPATH=packages/moe-kernels/src python3 packages/moe-kernels/bench/explore_gluon_wgrad_coop.py [out.json]
 
@@ -22,155 +18,20 @@ ping-pong kernel, two interleaved rounds.
 from __future__ import annotations
 
 import torch
-import triton
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
 from explore_common import interleaved_tflops, routed_problems, write_report
+from gluon_pingpong_wgrad import pingpong_wgrad_launch
 
-from moe_kernels.triton.gluon_wgrad import _tile_coords, _zero_rows_from
-
-TILE_K, TILE_N = 128, 256  # dW tile: rows (two halves of 64, one per consumer) x columns
-
-
-@gluon.jit
-def _coop_loader(a_desc, b_desc, offsets_ptr, a_bufs, b_bufs, ready, empty, total, num_k, num_n):
-    HALF_K: gl.constexpr = a_desc.block_type.shape[1]
-    CHUNK: gl.constexpr = a_desc.block_type.shape[0]
-    TN: gl.constexpr = b_desc.block_type.shape[1]
-    STAGES: gl.constexpr = b_bufs.type.shape[0]
-    count = 0
-    for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        e, kt, nt, start, end = _tile_coords(t, num_k, num_n, offsets_ptr)
-        for r0 in range(start, end, CHUNK):
-            s = count % STAGES
-            mbarrier.wait(empty.index(s), ((count // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [r0, kt * 2 * HALF_K], ready.index(s), a_bufs.index(2 * s))
-            tma.async_copy_global_to_shared(a_desc, [r0, kt * 2 * HALF_K + HALF_K], ready.index(s),
-                                            a_bufs.index(2 * s + 1))
-            tma.async_copy_global_to_shared(b_desc, [r0, nt * TN], ready.index(s), b_bufs.index(s))
-            count += 1
+from moe_kernels.triton.gluon_wgrad import gluon_wgrad_launch
 
 
-@gluon.jit
-def _coop_consumer(offsets_ptr, a_bufs, b_bufs, ready, empty, c_bufs, acc_ready, acc_free, total, num_k, num_n,
-                   WHICH: gl.constexpr):
-    CHUNK: gl.constexpr = a_bufs.type.shape[1]
-    HALF_K: gl.constexpr = a_bufs.type.shape[2]
-    TN: gl.constexpr = b_bufs.type.shape[2]
-    STAGES: gl.constexpr = b_bufs.type.shape[0]
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TN, 16])
-    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    c_buf = c_bufs.index(WHICH)
-    count = 0
-    tiles = 0
-    for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        e, kt, nt, start, end = _tile_coords(t, num_k, num_n, offsets_ptr)
-        n_chunks = (end - start + CHUNK - 1) // CHUNK
-        acc = gl.zeros([HALF_K, TN], gl.float32, acc_layout)
-        for i in range(n_chunks):
-            s = count % STAGES
-            mbarrier.wait(ready.index(s), (count // STAGES) & 1)
-            a_s = a_bufs.index(2 * s + WHICH)
-            b_s = b_bufs.index(s)
-            valid = end - (start + i * CHUNK)
-            if valid < CHUNK:
-                _zero_rows_from(a_s, valid, rows_layout)
-                _zero_rows_from(b_s, valid, rows_layout)
-                fence_async_shared()
-                gl.thread_barrier()
-            acc = warpgroup_mma(a_s.permute((1, 0)), b_s, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=i > 0)
-            count += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=n_chunks > 0)
-        # hand the tile to the store warp and go on: wait only until it has written out the last one
-        mbarrier.wait(acc_free.index(WHICH), (tiles & 1) ^ 1)
-        c_buf.store(acc.to(c_buf.dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(acc_ready.index(WHICH))
-        tiles += 1
-
-
-@gluon.jit
-def _coop_storer(c_desc, offsets_ptr, c_bufs, acc_ready, acc_free, total, num_k, num_n):
-    HALF_K: gl.constexpr = c_desc.block_type.shape[0]
-    TN: gl.constexpr = c_desc.block_type.shape[1]
-    K_total = num_k * 2 * HALF_K
-    tiles = 0
-    for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        per_expert = num_k * num_n
-        e = t // per_expert
-        rest = t - e * per_expert
-        kt = rest // num_n
-        nt = rest % num_n
-        for c in gl.static_range(2):
-            mbarrier.wait(acc_ready.index(c), tiles & 1)
-            tma.async_copy_shared_to_global(c_desc, [e * K_total + kt * 2 * HALF_K + c * HALF_K, nt * TN], c_bufs.index(c))
-        tma.store_wait(0)
-        for c in gl.static_range(2):
-            mbarrier.arrive(acc_free.index(c))
-        tiles += 1
-
-
-@gluon.jit
-def _coop_wgrad_kernel(a_desc, b_desc, c_desc, offsets_ptr, total, num_k, num_n, STAGES: gl.constexpr):
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    acc_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    acc_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both consumers release every stage
-    for i in gl.static_range(2):
-        mbarrier.init(acc_ready.index(i), count=1)
-        mbarrier.init(acc_free.index(i), count=1)
-    gl.warp_specialize([
-        (_coop_consumer, (offsets_ptr, a_bufs, b_bufs, ready, empty, c_bufs, acc_ready, acc_free, total, num_k, num_n,
-                          gl.constexpr(0))),
-        (_coop_consumer, (offsets_ptr, a_bufs, b_bufs, ready, empty, c_bufs, acc_ready, acc_free, total, num_k, num_n,
-                          gl.constexpr(1))),
-        (_coop_loader, (a_desc, b_desc, offsets_ptr, a_bufs, b_bufs, ready, empty, total, num_k, num_n)),
-        (_coop_storer, (c_desc, offsets_ptr, c_bufs, acc_ready, acc_free, total, num_k, num_n)),
-    ], [4, 1, 1], [208, 40, 40])
-
-
-def _layout(block):
-    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-
-
-def coop_wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, E: int, chunk: int, stages: int) -> torch.Tensor:
-    """dW[e] = a[rows of e]^T @ b[rows of e]; bf16, K % 128 == 0, N % 8 == 0."""
-    K, N = a.shape[1], b.shape[1]
-    assert K % TILE_K == 0 and N % 8 == 0
-    out = torch.empty(E, K, N, dtype=a.dtype, device=a.device)
-    half = TILE_K // 2
-    a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()), [chunk, half], _layout([chunk, half]))
-    b_desc = TensorDescriptor(b, list(b.shape), list(b.stride()), [chunk, TILE_N], _layout([chunk, TILE_N]))
-    c_desc = TensorDescriptor(out.view(E * K, N), [E * K, N], [N, 1], [half, TILE_N], _layout([half, TILE_N]))
-    num_k, num_n = K // TILE_K, triton.cdiv(N, TILE_N)
-    total = E * num_k * num_n
-    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    _coop_wgrad_kernel[(max(1, min(sms, total)),)](a_desc, b_desc, c_desc, offsets, total, num_k, num_n,
-                                                  STAGES=stages, num_warps=4, maxnreg=168)
+def coop_wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, E: int, chunk: int, stages: int):
+    out = torch.empty(E, a.shape[1], b.shape[1], dtype=a.dtype, device=a.device)
+    gluon_wgrad_launch(a, b, offsets, out, torch.cuda.get_device_properties(0).multi_processor_count,
+                       chunk_rows=chunk, stages=stages)
     return out
 
 
-VARIANTS = {"coop-r64s3": (64, 3), "coop-r32s6": (32, 6)}
+VARIANTS = {"coop-r64s3": (64, 3), "coop-r32s6": (32, 6), "coop-r32s5": (32, 5), "coop-r16s12": (16, 12)}
 
 
 def _check(variant):
@@ -196,7 +57,6 @@ def _check(variant):
 
 def main():
     from moe_kernels.triton import grouped_gemm_kernels as gg
-    from moe_kernels.triton.gluon_wgrad import gluon_wgrad_launch
 
     for v in VARIANTS:
         _check(v)
@@ -213,7 +73,7 @@ def main():
 
             def pingpong():
                 out = torch.empty(E, K, N, dtype=a.dtype, device="cuda")
-                gluon_wgrad_launch(a, b, offs, out, sms)
+                pingpong_wgrad_launch(a, b, offs, out, sms)
                 return out
 
             methods = {"grouped_mm": lambda: torch._grouped_mm(a.t(), b, offs=offs),

@@ -30,25 +30,39 @@ def problem(T, d, h, k, E):
     return dict(xs=bf(N, d), w1=bf(E, d, 2 * h) / d**0.5, d_pre=bf(N, 2 * h), offs=offs, E=E)
 
 
-def ops(p):
+def ops(p, gluon: bool):
     xs, w1, d_pre, offs, E = p["xs"], p["w1"], p["d_pre"], p["offs"], p["E"]
-    return {
+    out = {
         "fwd1 grouped_mm": lambda: torch._grouped_mm(xs, w1, offs=offs),
         "wgrad1 grouped_mm": lambda: torch._grouped_mm(xs.t(), d_pre, offs=offs),
         "wgrad1 ours": lambda: gg.grouped_wgrad_launch(xs, d_pre, offs, E),
     }
+    if gluon:  # the two Gluon wgrads: the package's ping-pong kernel and the cooperative experiment
+        from gluon_pingpong_wgrad import pingpong_wgrad_launch
+
+        from moe_kernels.triton.gluon_wgrad import gluon_wgrad_launch
+
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        dw = torch.empty(E, xs.shape[1], d_pre.shape[1], dtype=xs.dtype, device="cuda")
+        out["wgrad1 gluon_pingpong"] = lambda: pingpong_wgrad_launch(xs, d_pre, offs, dw, sms)
+        for chunk, stages in ((64, 3), (32, 6)):
+            out[f"wgrad1 gluon_coop r{chunk}s{stages}"] = (
+                lambda chunk=chunk, stages=stages: gluon_wgrad_launch(xs, d_pre, offs, dw, sms, chunk_rows=chunk,
+                                                                      stages=stages))
+    return out
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="b")
     ap.add_argument("--experts", default="8,128")
+    ap.add_argument("--gluon", action="store_true", help="also the Gluon wgrads (triton 3.6, sm_90)")
     args = ap.parse_args()
     s = SHAPES[args.shape]
     runs = []
     for E in map(int, args.experts.split(",")):
         p = problem(s["T"], s["d"], s["h"], s["k"], E)
-        for name, fn in ops(p).items():
+        for name, fn in ops(p, args.gluon).items():
             for _ in range(3):
                 fn()  # tuning and warm-up outside the profiled range
             runs.append((f"{args.shape} E={E} {name}", fn))

@@ -21,3 +21,21 @@ def test_never_offered_for_cpu_tensors(monkeypatch):
     b = torch.zeros(64, 64, dtype=torch.bfloat16)
     assert not gluon_wgrad.gluon_wgrad_supports(a, b, torch.bfloat16, None)
 
+
+
+@pytest.mark.parametrize("chunk_rows,stages", [(24, 4), (256, 2), (32, 1), (64, 4), (32, 7)])
+def test_launch_refuses_pipelines_it_cannot_build(chunk_rows, stages):
+    """Chunk heights off the MMA's steps, a ring of one stage, or more shared memory than an sm_90
+    program has are named before anything is launched."""
+    out = torch.zeros(1, 128, 256, dtype=torch.bfloat16)
+    a = torch.zeros(64, 128, dtype=torch.bfloat16)
+    b = torch.zeros(64, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"chunk_rows={chunk_rows}, stages={stages}"):
+        gluon_wgrad.gluon_wgrad_launch(a, b, torch.tensor([64]), out, 1, chunk_rows=chunk_rows, stages=stages)
+
+
+def test_tuning_candidates_fit_shared_memory():
+    from moe_kernels.triton.grouped_gemm_kernels import _GLUON_WGRAD
+
+    for cfg in _GLUON_WGRAD:
+        assert gluon_wgrad.shared_bytes(cfg["chunk_rows"], cfg["stages"]) <= gluon_wgrad.SHARED_BYTES
