@@ -129,3 +129,21 @@ def test_tuned_wgrad_offers_gluon_and_falls_back_on_unaligned_operands():
     gather = torch.randperm(T, generator=g).to("cuda", torch.int32)
     out = grouped_wgrad_launch(a, b, offs, E, gather=gather, top_k=k, config=_GLUON_WGRAD[0])
     assert _rel(out, _reference(a[gather.long()], b, counts)) < 1e-2
+
+
+@needs_gluon
+def test_gluon_wgrad_takes_int64_offsets():
+    """grouped_wgrad_launch is public below the int32 conversion of the functional API: int64
+    offsets (a hand-built route map's) give the int32 result instead of a compile error."""
+    from moe_kernels.triton.gluon_wgrad import gluon_wgrad_launch
+
+    E, K, N = 5, 256, 320
+    counts = torch.tensor([90, 0, 33, 128, 7])
+    a, b, offs = _problem(E, K, N, counts, torch.bfloat16, seed=11)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out32 = torch.empty(E, K, N, dtype=torch.bfloat16, device="cuda")
+    out64 = torch.empty_like(out32)
+    gluon_wgrad_launch(a, b, offs, out32, sms)
+    gluon_wgrad_launch(a, b, offs.long(), out64, sms)
+    assert torch.equal(out32, out64)
+    assert _rel(out64, _reference(a, b, counts)) < 1e-2

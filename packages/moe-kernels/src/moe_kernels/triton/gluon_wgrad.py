@@ -83,8 +83,9 @@ if _HAVE_GLUON:
         per_expert = num_k * num_n
         e = t // per_expert
         rest = t - e * per_expert
-        end = gl.load(offsets_ptr + e)
-        start = gl.load(offsets_ptr + e - 1, mask=e > 0, other=0)
+        # int32 row coordinates (TMA takes no others), whether the offsets come as int32 or int64
+        end = gl.load(offsets_ptr + e).to(gl.int32)
+        start = gl.load(offsets_ptr + e - 1, mask=e > 0, other=0).to(gl.int32)
         return e, rest // num_n, rest % num_n, start, end
 
     @gluon.jit
