@@ -30,6 +30,9 @@ class RouterConfig:
     z_loss_weight: float = 0.001
     expert_bias: bool = False  # auxiliary-loss-free balancing bias (selection only)
     expert_bias_rate: float = 0.001
+    # The k routing weights are multiplied by this after normalisation (GLM-4.5, DeepSeek-V3: 2.5), so the routed
+    # experts' sum is scaled and the shared expert is not; 1.0 = no multiply.
+    routed_scaling_factor: float = 1.0
 
 
 @dataclass
@@ -247,6 +250,8 @@ def validate(cfg: Config) -> Config:
     _choice("model.router.lb_loss_scope", r.lb_loss_scope, ("micro_batch", "global"))
     for name in ("lb_loss_weight", "z_loss_weight", "expert_bias_rate"):
         _check(getattr(r, name) >= 0, f"model.router.{name}", getattr(r, name), ">= 0")
+    _check(r.routed_scaling_factor > 0, "model.router.routed_scaling_factor", r.routed_scaling_factor,
+           "a finite number > 0 (1.0 leaves the routing weights as they are)")
     _choice("model.gemm_backend", m.gemm_backend, ("auto", "torch", "reference", "triton"))
     _choice("model.precision", m.precision, ("bf16",))
     for name, path in (("data.path", d.path), ("data.cache_dir", d.cache_dir), ("train.run_dir", t.run_dir)):

@@ -2,11 +2,14 @@
 
 `open_hf_folder` checks config.json and every tensor name and shape (from safetensors headers,
 nothing loaded) before it returns; `HFFolder.tensors()` then streams our fp32 tensors by our names.
+A GLM-4-MoE folder's multi-token-prediction layers are left out, as transformers leaves them out, with a
+warning naming them (`HFFolder.dropped`).
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,12 +19,13 @@ import torch
 from safetensors import safe_open
 
 from moe_ckpt.hf.layout import Entry, build_plan, from_hf
-from moe_ckpt.hf.spec import ARCH, HFConversionError, from_hf_config, head_dim
+from moe_ckpt.hf.spec import ARCH, HFConversionError, from_hf_config, head_dim, mtp_layers
 
 
 @dataclass
 class HFFolder:
-    """A checked HF folder. model_config: our model fields (router as a nested dict); extra_config: token ids etc."""
+    """A checked HF folder. model_config: our model fields (router as a nested dict); extra_config: token ids etc.;
+    dropped: the folder's tensors left out (GLM-4-MoE's multi-token-prediction layers), sorted."""
 
     folder: Path
     model_type: str
@@ -29,6 +33,7 @@ class HFFolder:
     extra_config: dict[str, Any]
     plan: list[Entry]
     files: dict[str, str]  # HF tensor name -> safetensors file name
+    dropped: tuple[str, ...] = ()
     _handles: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def _read(self, name: str) -> torch.Tensor:
@@ -163,9 +168,19 @@ def open_hf_folder(folder: str | Path) -> HFFolder:
             raise HFConversionError(
                 f"tensor {name} has shape {list(shapes[name])}, expected {list(shape)} from config.json"
                 + _attention_defaults_hint(name, hf_config, model_config))
-    unexpected = sorted(set(shapes) - set(expected))
+    mtp_prefixes = tuple(f"model.layers.{i}." for i in mtp_layers(hf_config))
+    dropped = sorted(name for name in set(shapes) - set(expected) if name.startswith(mtp_prefixes))
+    unexpected = sorted(set(shapes) - set(expected) - set(dropped))
     if unexpected:
         raise HFConversionError(
             f"tensor {unexpected[0]} (shape {list(shapes[unexpected[0]])}) has no counterpart in moe-train "
             f"({len(unexpected)} unexpected tensors in all)")
-    return HFFolder(root, model_type, model_config, extra, plan, files)
+    if dropped:
+        layers = ", ".join(f"{p}*" for p in mtp_prefixes if any(name.startswith(p) for name in dropped))
+        many = len(mtp_prefixes) > 1
+        warnings.warn(
+            f"import of {str(root)!r}: dropped {len(dropped)} tensors of the multi-token-prediction "
+            f"layer{'s' * many} {layers} (num_nextn_predict_layers={len(mtp_prefixes)}): transformers does not load "
+            "them either and moe-train has no MTP head, so the imported model and its exports predict the next token "
+            "only", UserWarning, stacklevel=2)
+    return HFFolder(root, model_type, model_config, extra, plan, files, tuple(dropped))

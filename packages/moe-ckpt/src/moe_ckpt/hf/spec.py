@@ -9,11 +9,16 @@ would export.
     num_experts == 0, no qk_norm         -> LlamaForCausalLM
     softmax, qk_norm, no shared expert   -> Qwen3MoeForCausalLM   (dense layers: mlp_only_layers)
     softmax, no qk_norm                  -> Qwen2MoeForCausalLM   (shared expert: gate pinned open)
-    sigmoid (+ expert bias, shared)      -> Glm4MoeForCausalLM    (dense layers must lead)
+    sigmoid (+ expert bias, shared)      -> Glm4MoeForCausalLM    (dense layers must lead; routed scaling)
+
+GLM-4-MoE folders may carry multi-token-prediction layers after the last decoder layer
+(num_nextn_predict_layers, model.layers.{num_hidden_layers}.*): Glm4MoeForCausalLM has no module for
+them and never loads them; import drops them too (`mtp_layers`), export writes none.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 # HF config keys we carry through unchanged (not part of the function the model computes).
@@ -50,7 +55,7 @@ MAPPED_FIELDS = frozenset({
     "tie_embeddings", "router",
 })
 UNCOMPUTED_FIELDS = frozenset({"init_std", "gemm_backend", "precision"})  # initialisation, kernels, training recipe
-ROUTER_FIELDS = frozenset({"gating", "top_k", "normalize_top_k", "routing", "expert_bias"})
+ROUTER_FIELDS = frozenset({"gating", "top_k", "normalize_top_k", "routing", "expert_bias", "routed_scaling_factor"})
 ROUTER_TRAINING_FIELDS = frozenset({"lb_loss_weight", "lb_loss_scope", "z_loss_weight", "expert_bias_rate"})
 
 
@@ -99,6 +104,10 @@ def _moe_model_type(m: dict[str, Any]) -> str:
         return "glm4_moe"
     if r["gating"] != "softmax":
         raise HFConversionError(f"router.gating={r['gating']!r}: expected 'softmax' or 'sigmoid'")
+    if routed_scaling_factor(r) != 1.0:
+        raise _refuse(f"router.routed_scaling_factor={r['routed_scaling_factor']!r} with softmax gating (Qwen2-MoE and "
+                      "Qwen3-MoE do not scale the routing weights)",
+                      "router.gating='sigmoid' (Glm4MoeForCausalLM) or router.routed_scaling_factor=1.0")
     if r["expert_bias"]:
         raise _refuse("router.expert_bias=True with softmax gating (a selection-only bias over softmax probabilities)",
                       "router.gating='sigmoid' (Glm4MoeForCausalLM) or router.expert_bias=False")
@@ -111,6 +120,11 @@ def _moe_model_type(m: dict[str, Any]) -> str:
 
 def head_dim(m: dict[str, Any]) -> int:
     return m["head_dim"] if m.get("head_dim") is not None else m["d_model"] // m["num_heads"]
+
+
+def routed_scaling_factor(router: dict[str, Any]) -> float:
+    """The router's routing-weight multiplier; a router dict without the key (written before it existed): 1.0."""
+    return float(router.get("routed_scaling_factor", 1.0))
 
 
 def to_hf_config(m: dict[str, Any], model_type: str, dtype: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -157,8 +171,9 @@ def to_hf_config(m: dict[str, Any], model_type: str, dtype: str, extra: dict[str
         # GLM-4-MoE rotates half of each head by default (0.5); transformers < 5 reads the top-level key only.
         c["rope_parameters"]["partial_rotary_factor"] = c["partial_rotary_factor"] = 1.0
         c.update(n_routed_experts=m["num_experts"], n_shared_experts=m["shared_expert_hidden"] // m["expert_hidden"],
-                 first_k_dense_replace=len(dense), n_group=1, topk_group=1, routed_scaling_factor=1.0,
-                 use_qk_norm=m["qk_norm"], attention_bias=False, num_nextn_predict_layers=0)
+                 first_k_dense_replace=len(dense), n_group=1, topk_group=1,
+                 routed_scaling_factor=routed_scaling_factor(r), use_qk_norm=m["qk_norm"], attention_bias=False,
+                 num_nextn_predict_layers=0)
         if not r["expert_bias"]:  # exported as a zero e_score_correction_bias; import reads this back
             c[NO_EXPERT_BIAS_KEY] = False
     return c
@@ -167,7 +182,7 @@ def to_hf_config(m: dict[str, Any], model_type: str, dtype: str, extra: dict[str
 # transformers' class defaults for keys a config.json may leave out, where they are not moe-train's: a missing
 # key means what transformers makes of it (GLM-4-MoE rotates half of each head; Qwen2-MoE has q/k/v biases).
 CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
-    "glm4_moe": {"partial_rotary_factor": 0.5, "rms_norm_eps": 1e-5},
+    "glm4_moe": {"partial_rotary_factor": 0.5, "rms_norm_eps": 1e-5, "num_nextn_predict_layers": 1},
     "qwen2_moe": {"qkv_bias": True},
 }
 
@@ -176,6 +191,18 @@ def _need(c: dict[str, Any], key: str, ok: Any, expected: Any, value: Any = None
     if not ok:
         value = c.get(key) if value is None else value
         raise HFConversionError(f"config.json {key}={value!r}: expected {expected} (moe-train cannot represent this)")
+
+
+def mtp_layers(c: dict[str, Any]) -> range:
+    """Indices of the multi-token-prediction layers a GLM-4-MoE folder may hold after its decoder layers
+    (model.layers.{i}.*: GLM-4.5's nextn block, a decoder layer plus embed_tokens, enorm, hnorm, eh_proj and
+    shared_head). transformers' Glm4MoeForCausalLM never loads them; neither does import. Empty for other models."""
+    if c.get("model_type") != "glm4_moe":
+        return range(0)
+    n = c.get("num_nextn_predict_layers", CLASS_DEFAULTS["glm4_moe"]["num_nextn_predict_layers"])
+    _need(c, "num_nextn_predict_layers", isinstance(n, int) and not isinstance(n, bool) and n >= 0,
+          "an integer >= 0 (multi-token-prediction layers, which import drops)", n)
+    return range(c["num_hidden_layers"], c["num_hidden_layers"] + n)
 
 
 def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -212,7 +239,7 @@ def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         m.update(num_experts=0, dense_layers=[], shared_expert_hidden=0)
         return m, extra
     router = {"top_k": c["num_experts_per_tok"], "normalize_top_k": bool(c.get("norm_topk_prob", mt == "glm4_moe")),
-              "routing": "learned", "gating": "softmax", "expert_bias": False}
+              "routing": "learned", "gating": "softmax", "expert_bias": False, "routed_scaling_factor": 1.0}
     if "router_aux_loss_coef" in c:
         router["lb_loss_weight"] = c["router_aux_loss_coef"]
     m.update(expert_hidden=c["moe_intermediate_size"], router=router)
@@ -224,13 +251,15 @@ def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     else:  # glm4_moe
         _need(c, "n_group", c.get("n_group", 1) == 1, "1 (no group-limited routing)")
         _need(c, "topk_group", c.get("topk_group", 1) == 1, "1")
-        _need(c, "routed_scaling_factor", c.get("routed_scaling_factor", 1.0) == 1.0, "1.0")
-        _need(c, "num_nextn_predict_layers", not c.get("num_nextn_predict_layers", 0), "0 (no multi-token prediction)")
+        scale = c.get("routed_scaling_factor", 1.0)
+        _need(c, "routed_scaling_factor", isinstance(scale, (int, float)) and not isinstance(scale, bool)
+              and math.isfinite(scale) and scale > 0, "a finite number > 0", scale)
+        mtp_layers(c)  # checked here; open_hf_folder drops their tensors
         # Sigmoid routers are trained with the selection bias (e_score_correction_bias); keep it live, unless
         # our own export says the model had none (its bias is then zeros, which the tensor check verifies).
         live = c.get(NO_EXPERT_BIAS_KEY, True)
         _need(c, NO_EXPERT_BIAS_KEY, isinstance(live, bool), "true or false", live)
-        router.update(gating="sigmoid", expert_bias=live)
+        router.update(gating="sigmoid", expert_bias=live, routed_scaling_factor=float(scale))
         m.update(num_experts=c["n_routed_experts"], dense_layers=list(range(c.get("first_k_dense_replace", 1))),
                  shared_expert_hidden=c.get("n_shared_experts", 1) * c["moe_intermediate_size"])
     return m, extra

@@ -66,6 +66,8 @@ class Router(nn.Module):
         weights = probs.gather(1, ids)
         if cfg.normalize_top_k:
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+        if cfg.routed_scaling_factor != 1.0:  # skipped at 1.0: today's weights, bit for bit, and no extra graph node
+            weights = weights * cfg.routed_scaling_factor
 
         counts = torch.zeros(e, device=x.device, dtype=torch.float32)
         counts.scatter_add_(0, ids.reshape(-1), torch.ones(ids.numel(), device=x.device))

@@ -8,6 +8,7 @@ stored once; a reader that wants optim.X.master of such a checkpoint gets the fp
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from moe_ckpt import (
     AsyncCheckpointer, Box, CorruptMetadataError, FlatRange, LoadRequest, ShardSpec, fail_together, find_latest, inspect_checkpoint,
     load_checkpoint, load_metadata, save_checkpoint, step_dir, step_of,
 )
-from moe_train.config import Config, ConfigError
+from moe_train.config import Config, ConfigError, ModelConfig
 from moe_train.trainer.runtime import CheckpointShard, Runtime, Slice
 
 
@@ -75,14 +76,42 @@ def _flat(section: dict[str, Any], prefix: str) -> dict[str, Any]:
     return out
 
 
+_NOT_RECORDED = object()  # a model field the checkpoint's config predates
+
+
+def _network(model: dict[str, Any]) -> dict[str, Any]:
+    """Flat model fields as the network they give: head_dim null is d_model // num_heads, and dense_layers a
+    set (order and repeats do not change which layers are dense)."""
+    out = dict(model)
+    d, heads = out.get("model.d_model"), out.get("model.num_heads")
+    if out.get("model.head_dim") is None and isinstance(d, int) and isinstance(heads, int) and heads > 0:
+        out["model.head_dim"] = d // heads
+    dense = out.get("model.dense_layers")
+    if isinstance(dense, list) and all(isinstance(i, int) for i in dense):
+        out["model.dense_layers"] = sorted(set(dense))
+    return out
+
+
+def _as_given(flat: dict[str, Any], network: dict[str, Any], key: str) -> str:
+    """A field's value as the config gave it, and what it amounts to where that differs (`None (= 16)`)."""
+    value = flat.get(key, _NOT_RECORDED)
+    if value is _NOT_RECORDED:
+        return f"(not recorded: {network[key]!r})" if key in network else "(no such field)"
+    return f"{value!r}" if network.get(key) == value else f"{value!r} (= {network.get(key)!r})"
+
+
 def check_same_model(path: Path, cfg: Config) -> None:
     """Refuse to resume a checkpoint written for another model or sequence length: tensors of
     the same shapes would load silently into a different network (fewer layers, tied
-    embeddings, another router)."""
+    embeddings, another router). Fields are compared as the network they give (_network); a
+    field the checkpoint's config predates is taken at its default, what its writer computed."""
     saved = load_metadata(path).get("config", {})
     saved_model, want_model = _flat(saved.get("model", {}), "model."), _flat(cfg.to_dict()["model"], "model.")
-    diffs = [f"{k}: checkpoint {v!r}, this run {want_model.get(k)!r}" for k, v in sorted(saved_model.items())
-             if k not in TRAINING_ONLY_MODEL_FIELDS and want_model.get(k) != v]
+    defaults = _flat(dataclasses.asdict(ModelConfig()), "model.") if saved_model else {}
+    saved_net = _network({**{k: v for k, v in defaults.items() if k in want_model}, **saved_model})
+    want_net = _network(want_model)
+    diffs = [f"{k}: checkpoint {_as_given(saved_model, saved_net, k)}, this run {_as_given(want_model, want_net, k)}"
+             for k, v in sorted(saved_net.items()) if k not in TRAINING_ONLY_MODEL_FIELDS and want_net.get(k) != v]
     saved_seq = saved.get("data", {}).get("seq_len")
     if saved_seq is not None and saved_seq != cfg.data.seq_len:
         diffs.append(f"data.seq_len: checkpoint {saved_seq}, this run {cfg.data.seq_len}")
