@@ -7,7 +7,8 @@ small device tensor, sends the rows, and reorders what arrives into local-expert
 
 Host synchronisation: all_to_all_single needs its split sizes as host ints, so the count matrix
 makes exactly one device->host copy per dispatch (send counts and receive counts in one tensor).
-Combine reuses those sizes and needs none. A row-wise NVSHMEM transport removes the copy.
+Combine reuses those sizes; its one host read is the verdict of its input check (below). A row-wise
+NVSHMEM transport removes the copy.
 
 Failing together: a collective that one rank never enters waits for the process-group timeout
 (30 minutes by default), and rows of another width or dtype than the receiver expects abort the
@@ -15,7 +16,8 @@ process inside gloo (SIGABRT) or corrupt memory under NCCL. So every rank checks
 *before* the first collective and sends, beside its counts, a small header (a status, the payload's
 values per row and dtype, d); after that one exchange every EP rank knows whether every other
 rank can go on, and all of them raise the same kind of ValueError, before any row moves, when one
-cannot (its own rank the detailed message, the others one naming that rank).
+cannot (its own rank the detailed message, the others one naming that rank). Combine has no exchange
+before its rows to carry such a header, so it gathers a few int64 per rank first (see combine).
 
 Capacity (optional): with capacity_factor c > 0 a rank computes at most ceil(c * T * k) received
 rows; rows past the cap in local-expert order (higher local experts, then higher source ranks,
@@ -32,21 +34,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moe_kernels.collective_checks import dtype_code, dtype_name, gather_or_raise, require_agreement
 from moe_kernels.dispatch import DispatchResult, IdentityCodec, PayloadCodec
-from moe_kernels.permute import check_rows, combine, permute
+from moe_kernels.permute import check_rows, check_route_map_device, check_router_weights, combine, permute
 from moe_kernels.route_map import RouteMap, positive_int
 
 # Header columns sent to every EP peer after the [E_local] counts (int64).
 _STATUS, _ROW_NUMEL, _DTYPE, _WIDTH = range(4)
 _HEADER = 4
 _BAD_INPUT, _BAD_COUNTS = 1, 2  # status bits
-# Payload dtypes by a code every process computes alike (the header travels as int64).
-_DTYPES = tuple(
-    getattr(torch, name)
-    for name in ("float32", "bfloat16", "float16", "float64", "uint8", "int8", "int16", "int32", "int64",
-                 "bool", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "float4_e2m1fn_x2")
-    if hasattr(torch, name)
-)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -82,6 +78,8 @@ class AllToAllContext:
     send_splits / recv_splits: host ints per EP rank (rows sent / received in dispatch)
     local_to_recv: [N_recv] int64 local-expert-order row of each received row
     num_kept:   rows computed (N_recv, or the capacity when it binds)
+    dispatcher, dispatch_index: who handed it out, and its how-manieth dispatch call (the same on every
+                EP rank for the results of one collective dispatch)
     """
 
     route_map: RouteMap
@@ -90,6 +88,8 @@ class AllToAllContext:
     local_to_recv: torch.Tensor
     num_recv: int
     num_kept: int
+    dispatcher: AllToAllDispatcher
+    dispatch_index: int
 
 
 class AllToAllDispatcher:
@@ -108,6 +108,7 @@ class AllToAllDispatcher:
         self.num_local_experts = num_experts // self.ep_size
         self.capacity_factor = capacity_factor
         self.codec = codec or IdentityCodec()
+        self._dispatches = 0  # counted on entry, so every EP rank counts alike, refused calls included
 
     def dispatch(self, x: torch.Tensor, route_map: RouteMap) -> DispatchResult:
         """x: [T, d] -> rows [N_kept, d] for the local experts, offsets [E_local] int32.
@@ -118,6 +119,7 @@ class AllToAllDispatcher:
         own error, the others a ValueError naming that rank.
         """
         ep, e_local = self.ep_size, self.num_local_experts
+        self._dispatches += 1
         problem: Exception | None = None
         payload = None
         try:
@@ -162,7 +164,8 @@ class AllToAllDispatcher:
                 rows = rows[:cap]
                 offsets = offsets.clamp(max=cap)
                 dropped = torch.tensor(num_recv - cap, dtype=torch.int64, device=x.device)
-        ctx = AllToAllContext(route_map, send_splits, recv_splits, local_to_recv, num_recv, num_kept)
+        ctx = AllToAllContext(route_map, send_splits, recv_splits, local_to_recv, num_recv, num_kept, self,
+                              self._dispatches)
         return DispatchResult(rows, offsets, ctx, dropped)
 
     def _counts_and_header(
@@ -181,7 +184,7 @@ class AllToAllDispatcher:
         bad_counts = (counts < 0).any() | (counts.sum() != route_map.num_rows)
         send[:, e_local + _STATUS] = bad_counts.to(torch.int64) * _BAD_COUNTS
         send[:, e_local + _ROW_NUMEL] = math.prod(payload.shape[1:])
-        send[:, e_local + _DTYPE] = _DTYPES.index(payload.dtype) if payload.dtype in _DTYPES else len(_DTYPES)
+        send[:, e_local + _DTYPE] = dtype_code(payload.dtype)
         send[:, e_local + _WIDTH] = x.shape[1]
         return send
 
@@ -206,26 +209,43 @@ class AllToAllDispatcher:
             )
         sent = [(row[e_local + _ROW_NUMEL], row[e_local + _DTYPE], row[e_local + _WIDTH]) for row in table]
         if len(set(sent)) > 1:
-
-            def name(code: int) -> str:
-                return str(_DTYPES[code]) if code < len(_DTYPES) else "another dtype"
-
-            each = "; ".join(f"rank {r}: d={w} ({n} values per row, {name(c)})" for r, (n, c, w) in enumerate(sent))
+            each = "; ".join(f"rank {r}: d={w} ({n} values per row, {dtype_name(c)})"
+                             for r, (n, c, w) in enumerate(sent))
             raise ValueError(
                 f"EP ranks disagree on the rows they dispatch ({each}); every EP rank must send rows of the "
                 "same width and dtype (raised on every EP rank before any row moved)"
             )
 
     def combine(self, expert_out: torch.Tensor, result: DispatchResult, weights: torch.Tensor) -> torch.Tensor:
-        """expert_out: [N_kept, d] local-expert order; weights: [T, k] -> [T, d]."""
-        ctx: AllToAllContext = result.context
-        if not isinstance(ctx, AllToAllContext):
-            raise ValueError(
-                f"result.context is a {type(ctx).__name__}: pass the DispatchResult of this dispatcher's dispatch"
-            )
-        check_rows("expert_out", expert_out, "N_kept")
-        if expert_out.shape[0] != ctx.num_kept:
-            raise ValueError(f"expert_out has {expert_out.shape[0]} rows, dispatch handed out N_kept={ctx.num_kept}")
+        """expert_out: [N_kept, d] local-expert order; weights: [T, k] -> [T, d].
+
+        Call on every rank of the EP group, each with the result of the same dispatch call. Bad input on
+        any rank (a result this dispatcher's dispatch did not hand out, expert rows that are not
+        [N_kept, d] floats on the rows' device, router weights that are not [T, k] floats there, rows
+        of another width or dtype, or of another dispatch call, than the other ranks') raises on every
+        rank before any row moves: the rank at fault its own error, the others a ValueError naming that
+        rank and quoting it. Values are not checked: NaN weights give NaN rows, as they do locally.
+        """
+        problem: Exception | None = None
+        try:
+            ctx = self._context_of(result)
+            _check_combine_inputs(expert_out, ctx, weights)
+        except Exception as err:  # noqa: BLE001 - raised below, once every EP rank knows
+            problem = err
+        # What this check costs a good call: one all_gather of 4 int64 per EP rank and one host read of
+        # the [ep, 4] result (a collective's latency; ep=1 skips both). On a GPU that read also waits for
+        # the work queued before combine (the expert FFN), which the row exchange waits for anyway, but
+        # the host stops running ahead there, as it does at dispatch's count read. No exchange that
+        # already happens can carry the verdict: combine's only one is the row exchange, whose sizes
+        # are what is being checked.
+        mine = [0, 0, 0] if problem else [expert_out.shape[1], dtype_code(expert_out.dtype), ctx.dispatch_index]
+        on = getattr(result, "offsets", expert_out)  # the header travels on dispatch's device
+        table = gather_or_raise("combine", problem, mine, self.group, getattr(on, "device", torch.device("cpu")))
+        require_agreement([f"dispatch #{i}" for _, _, i in table], "the dispatch call they combine",
+                          "every EP rank must pass the result of the same dispatch of this dispatcher")
+        require_agreement([f"d={w} {dtype_name(c)}" for w, c, _ in table], "the expert rows they send back",
+                          "every EP rank must send rows of the same width and dtype")
+
         if ctx.num_kept < ctx.num_recv:  # dropped rows come back as zeros
             pad = expert_out.new_zeros((ctx.num_recv - ctx.num_kept, *expert_out.shape[1:]))
             expert_out = torch.cat([expert_out, pad])
@@ -233,6 +253,40 @@ class AllToAllDispatcher:
         recv_order.scatter_(0, ctx.local_to_recv, torch.arange(ctx.num_recv, device=recv_order.device))
         back = all_to_all_rows(expert_out.index_select(0, recv_order), ctx.send_splits, ctx.recv_splits, self.group)
         return combine(back, ctx.route_map, weights)
+
+    def _context_of(self, result: DispatchResult) -> AllToAllContext:
+        ctx = getattr(result, "context", None)
+        if not isinstance(ctx, AllToAllContext):
+            raise ValueError(
+                f"result.context is a {type(ctx).__name__}: pass the DispatchResult of this dispatcher's dispatch"
+            )
+        if ctx.dispatcher is not self:
+            other = ctx.dispatcher
+            raise ValueError(
+                f"the DispatchResult was handed out by another AllToAllDispatcher (num_experts={other.num_experts}, "
+                f"ep={other.ep_size}): pass the DispatchResult of this dispatcher's dispatch"
+            )
+        return ctx
+
+
+def _check_combine_inputs(expert_out: torch.Tensor, ctx: AllToAllContext, weights: torch.Tensor) -> None:
+    """What combine needs of this rank's inputs, checked before any row moves (the local combine after the
+    exchange checks the same; failing there would leave the other EP ranks in their next collective)."""
+    route_map = ctx.route_map
+    if not isinstance(expert_out, torch.Tensor):
+        raise TypeError(f"expert_out must be a tensor [N_kept={ctx.num_kept}, d], got {type(expert_out).__name__}")
+    check_rows("expert_out", expert_out, "N_kept")
+    if expert_out.shape[0] != ctx.num_kept:
+        raise ValueError(f"expert_out has {expert_out.shape[0]} rows, dispatch handed out N_kept={ctx.num_kept}")
+    if not expert_out.dtype.is_floating_point:
+        raise ValueError(f"expert_out must be floating point, got dtype={expert_out.dtype}")
+    check_route_map_device(route_map, expert_out, "expert_out")
+    if not isinstance(weights, torch.Tensor):
+        raise TypeError(
+            f"router weights must be a tensor [T={route_map.num_tokens}, k={route_map.top_k}], "
+            f"got {type(weights).__name__}"
+        )
+    check_router_weights(weights, expert_out, route_map)
 
 
 def _source_major_to_expert_major(counts: torch.Tensor, total: int) -> torch.Tensor:
