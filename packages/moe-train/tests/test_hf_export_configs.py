@@ -170,16 +170,16 @@ HF_SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_
                 num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts_per_tok=2)
 
 
-@pytest.mark.parametrize(("model_type", "extra", "message"), [
-    ("glm4_moe", dict(n_routed_experts=4), r"partial_rotary_factor=0.5: expected 1.0"),
-    ("qwen2_moe", dict(num_experts=4), r"qkv_bias=True: expected false"),
+@pytest.mark.parametrize(("model_type", "extra", "ours"), [
+    ("glm4_moe", dict(n_routed_experts=4), dict(rotary_fraction=0.5, attention_bias=False)),
+    ("qwen2_moe", dict(num_experts=4), dict(rotary_fraction=1.0, attention_bias=True)),
 ])
-def test_a_config_key_left_out_is_refused_when_transformers_default_is_not_ours(model_type, extra, message):
-    """Before: a GLM-4-MoE config.json without partial_rotary_factor was imported as whole-head rotary
-    (transformers rotates half: a different model, silently); a Qwen2-MoE one without qkv_bias as bias-free
-    (transformers' default has q/k/v biases)."""
-    with pytest.raises(HFConversionError, match=message):
-        from_hf_config({"model_type": model_type, **HF_SIZES, **extra})
+def test_a_config_key_left_out_means_transformers_default_not_ours(model_type, extra, ours):
+    """Before (moe-ckpt 0.6): a GLM-4-MoE config.json without partial_rotary_factor was imported as whole-head
+    rotary (transformers rotates half: a different model, silently); a Qwen2-MoE one without qkv_bias as bias-free
+    (transformers' default has q/k/v biases). 0.7.0 refused both; now both import as transformers reads them."""
+    m = from_hf_config({"model_type": model_type, **HF_SIZES, **extra})[0]
+    assert {k: m[k] for k in ours} == ours
 
 
 def test_a_glm_config_without_rms_norm_eps_imports_transformers_default():
@@ -189,8 +189,8 @@ def test_a_glm_config_without_rms_norm_eps_imports_transformers_default():
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
-     r"config.json partial_rotary_factor=0.5: expected 1.0"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.3}),
+     r"config.json partial_rotary_factor=0.3: expected a fraction in \(0, 1\] of head_dim=8"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
      r"config.json rope_scaling=\{'rope_type': 'yarn', 'factor': 4.0\}: expected 'default'"),
     (dict(rope_theta=5e5, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),

@@ -112,8 +112,13 @@ def test_learned_shared_expert_gate_is_refused(tmp_path):
 def test_unrepresentable_hf_config_is_refused(tmp_path):
     export_hf(make_model(**VARIANTS["qwen2_moe"]), tmp_path, dtype="fp32")
     cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": True}))
+    with pytest.raises(HFConversionError, match="use_sliding_window=True: expected false"):
+        open_hf_folder(tmp_path)
+    # q/k/v biases import (attention_bias), but only with their tensors
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "qkv_bias": True}))
-    with pytest.raises(HFConversionError, match="qkv_bias=True: expected false"):
+    with pytest.raises(HFConversionError, match=r"tensor model\.layers\.0\.self_attn\.q_proj\.bias \(shape \[32\]\) is "
+                                                r"missing"):
         open_hf_folder(tmp_path)
 
 

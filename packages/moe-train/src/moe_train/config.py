@@ -44,7 +44,10 @@ class ModelConfig:
     num_kv_heads: int = 2
     head_dim: int | None = None  # default d_model // num_heads
     qk_norm: bool = False
+    attention_bias: bool = False  # biases on the q, k and v projections, none on o (GLM-4.5, Qwen2-MoE)
     rope_theta: float = 10_000.0
+    # The leading fraction of each head's dims that RoPE rotates (GLM-4.5: 0.5); the rest pass unrotated.
+    rotary_fraction: float = 1.0
     norm_eps: float = 1e-6
     dense_hidden: int = 512  # hidden size of dense SwiGLU layers
     dense_layers: list[int] = field(default_factory=list)  # indices of dense layers when num_experts > 0
@@ -60,6 +63,11 @@ class ModelConfig:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head that RoPE rotates (validate: rotary_fraction x head_dim is whole and even)."""
+        return int(self.rotary_fraction * self.resolved_head_dim)
 
     def is_moe_layer(self, index: int) -> bool:
         return self.num_experts > 0 and index not in self.dense_layers
@@ -229,7 +237,15 @@ def validate(cfg: Config) -> Config:
     if m.head_dim is None:
         _check(m.d_model % m.num_heads == 0, "model.num_heads", m.num_heads,
                f"a divisor of model.d_model={m.d_model} (or set model.head_dim)")
-    _check(m.resolved_head_dim % 2 == 0, "model.head_dim", m.resolved_head_dim, "an even number (RoPE rotates pairs)")
+    _check(0 < m.rotary_fraction <= 1, "model.rotary_fraction", m.rotary_fraction,
+           "in (0, 1] (the fraction of each head's dims RoPE rotates)")
+    if m.rotary_fraction == 1:
+        _check(m.resolved_head_dim % 2 == 0, "model.head_dim", m.resolved_head_dim,
+               "an even number (RoPE rotates pairs)")
+    rotary = m.rotary_fraction * m.resolved_head_dim
+    _check(rotary == int(rotary) and int(rotary) % 2 == 0, "model.rotary_fraction", m.rotary_fraction,
+           f"a fraction of head_dim={m.resolved_head_dim} that rotates a whole even number of dims (RoPE rotates "
+           f"pairs; this one gives {rotary:g})")
     _check(m.num_experts >= 0, "model.num_experts", m.num_experts, "0 (dense) or a positive integer")
     for i in m.dense_layers:
         _check(0 <= i < m.num_layers, "model.dense_layers", m.dense_layers, f"indices in [0, {m.num_layers})")

@@ -1,5 +1,9 @@
 """The tensor plan: which HF tensors each of our tensors becomes, with exact inverse transforms.
 
+Ours -> HF (per layer i; attention biases with model.attention_bias):
+    blocks.i.attn.{q,k,v}_proj.bias              -> model.layers.i.self_attn.{q,k,v}_proj.bias
+    (none)                                       -> model.layers.i.self_attn.o_proj.bias, zeros (Llama, Qwen3,
+                                                    Qwen3-MoE: their attention_bias biases o_proj too)
 Ours -> HF (per MoE layer i, E experts, hidden h):
     blocks.i.mlp.router.weight [E, d]            -> model.layers.i.mlp.gate.weight
     blocks.i.mlp.router.expert_bias [E]          -> model.layers.i.mlp.gate.e_score_correction_bias (GLM, fp32)
@@ -17,7 +21,7 @@ from typing import Any
 
 import torch
 
-from moe_ckpt.hf.spec import HFConversionError, head_dim
+from moe_ckpt.hf.spec import HFConversionError, attention_bias, has_output_bias, head_dim
 
 Shape = tuple[int, ...]
 
@@ -56,6 +60,10 @@ def build_plan(m: dict[str, Any], model_type: str) -> list[Entry]:
         plan.append(_copy(f"{b}.attn_norm.weight", f"{L}.input_layernorm.weight", (d,)))
         for p, shape in (("q", (nq, d)), ("k", (nkv, d)), ("v", (nkv, d)), ("o", (d, nq))):
             plan.append(_copy(f"{b}.attn.{p}_proj.weight", f"{L}.self_attn.{p}_proj.weight", shape))
+            if attention_bias(m) and p != "o":
+                plan.append(_copy(f"{b}.attn.{p}_proj.bias", f"{L}.self_attn.{p}_proj.bias", shape[:1]))
+            elif attention_bias(m) and has_output_bias(model_type):
+                plan.append(Entry("zeros", None, (), ((f"{L}.self_attn.o_proj.bias", (d,)),)))
         if m["qk_norm"]:
             plan += [_copy(f"{b}.attn.{p}_norm.weight", f"{L}.self_attn.{p}_norm.weight", (hd,)) for p in "qk"]
         plan.append(_copy(f"{b}.mlp_norm.weight", f"{L}.post_attention_layernorm.weight", (d,)))
@@ -122,6 +130,8 @@ def from_hf(entry: Entry, ts: list[torch.Tensor]) -> torch.Tensor | None:
             if t.numel() and bool(t.ne(0).any()):
                 why = ("config.json's moe_train_expert_bias=false says the router had no selection bias; remove "
                        "that key to import this bias live" if name.endswith(".e_score_correction_bias") else
+                       "moe-train's attention_bias puts biases on q, k and v only (as GLM-4-MoE and Qwen2-MoE do); "
+                       "a bias on o_proj has no counterpart in moe-train" if name.endswith(".o_proj.bias") else
                        "a learned shared-expert gate has no counterpart in moe-train")
                 raise HFConversionError(f"tensor {name} is not all zeros (max |x| = {t.abs().max().item():.3g}): {why}")
         return None

@@ -9,7 +9,12 @@ would export.
     num_experts == 0, no qk_norm         -> LlamaForCausalLM
     softmax, qk_norm, no shared expert   -> Qwen3MoeForCausalLM   (dense layers: mlp_only_layers)
     softmax, no qk_norm                  -> Qwen2MoeForCausalLM   (shared expert: gate pinned open)
-    sigmoid (+ expert bias, shared)      -> Glm4MoeForCausalLM    (dense layers must lead; routed scaling)
+    sigmoid (+ expert bias, shared)      -> Glm4MoeForCausalLM    (dense layers must lead; routed scaling;
+                                                                   partial rotary)
+
+attention_bias (biases on q, k and v, none on o) is GLM-4-MoE's attention_bias and Qwen2-MoE's qkv_bias;
+Llama's, Qwen3's and Qwen3-MoE's attention_bias also puts one on o_proj, which is exported as zeros (and
+must be zeros to import). Only GLM-4-MoE rotates part of each head (partial_rotary_factor = rotary_fraction).
 
 GLM-4-MoE folders may carry multi-token-prediction layers after the last decoder layer
 (num_nextn_predict_layers, model.layers.{num_hidden_layers}.*): Glm4MoeForCausalLM has no module for
@@ -50,9 +55,9 @@ def _refuse(feature: str, nearest: str) -> HFConversionError:
 # Every field of moe-train's model config, by what the export does with it. A field not listed (one added
 # since) is refused: the export cannot tell whether the folder would have to compute it.
 MAPPED_FIELDS = frozenset({
-    "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "qk_norm", "rope_theta",
-    "norm_eps", "dense_hidden", "dense_layers", "num_experts", "expert_hidden", "shared_expert_hidden",
-    "tie_embeddings", "router",
+    "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "qk_norm", "attention_bias",
+    "rope_theta", "rotary_fraction", "norm_eps", "dense_hidden", "dense_layers", "num_experts", "expert_hidden",
+    "shared_expert_hidden", "tie_embeddings", "router",
 })
 UNCOMPUTED_FIELDS = frozenset({"init_std", "gemm_backend", "precision"})  # initialisation, kernels, training recipe
 ROUTER_FIELDS = frozenset({"gating", "top_k", "normalize_top_k", "routing", "expert_bias", "routed_scaling_factor"})
@@ -75,6 +80,9 @@ def choose_model_type(m: dict[str, Any], allow_benchmark_routing: bool = False) 
     """The HF model_type for our model config dict, or HFConversionError naming the feature."""
     _check_known_fields(m)
     if m["num_experts"] == 0:
+        if rotary_fraction(m) != 1.0:
+            raise _refuse(f"rotary_fraction={m['rotary_fraction']!r} in a dense model (LlamaForCausalLM and "
+                          "Qwen3ForCausalLM rotate the whole head)", "rotary_fraction=1.0")
         return "qwen3" if m["qk_norm"] else "llama"
     model_type = _moe_model_type(m)
     # After the architecture checks: allowing benchmark routing would not make a refused model export.
@@ -108,6 +116,9 @@ def _moe_model_type(m: dict[str, Any]) -> str:
         raise _refuse(f"router.routed_scaling_factor={r['routed_scaling_factor']!r} with softmax gating (Qwen2-MoE and "
                       "Qwen3-MoE do not scale the routing weights)",
                       "router.gating='sigmoid' (Glm4MoeForCausalLM) or router.routed_scaling_factor=1.0")
+    if rotary_fraction(m) != 1.0:
+        raise _refuse(f"rotary_fraction={m['rotary_fraction']!r} with softmax gating (Qwen2-MoE and Qwen3-MoE rotate "
+                      "the whole head)", "router.gating='sigmoid' (Glm4MoeForCausalLM) or rotary_fraction=1.0")
     if r["expert_bias"]:
         raise _refuse("router.expert_bias=True with softmax gating (a selection-only bias over softmax probabilities)",
                       "router.gating='sigmoid' (Glm4MoeForCausalLM) or router.expert_bias=False")
@@ -125,6 +136,22 @@ def head_dim(m: dict[str, Any]) -> int:
 def routed_scaling_factor(router: dict[str, Any]) -> float:
     """The router's routing-weight multiplier; a router dict without the key (written before it existed): 1.0."""
     return float(router.get("routed_scaling_factor", 1.0))
+
+
+def attention_bias(m: dict[str, Any]) -> bool:
+    """Whether q, k and v have biases; a model dict without the key (written before it existed): no."""
+    return bool(m.get("attention_bias", False))
+
+
+def rotary_fraction(m: dict[str, Any]) -> float:
+    """The fraction of each head's dims RoPE rotates; a model dict without the key (written before it existed): 1.0."""
+    return float(m.get("rotary_fraction", 1.0))
+
+
+def has_output_bias(model_type: str) -> bool:
+    """Whether the class's attention_bias also puts a bias on o_proj (Llama, Qwen3, Qwen3-MoE; not GLM-4-MoE, and
+    Qwen2-MoE's qkv_bias covers q/k/v only): moe-train has none there, so it is exported as zeros."""
+    return model_type in ("llama", "qwen3", "qwen3_moe")
 
 
 def to_hf_config(m: dict[str, Any], model_type: str, dtype: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -150,9 +177,9 @@ def to_hf_config(m: dict[str, Any], model_type: str, dtype: str, extra: dict[str
     c.update({k: None for k in EXTRA_KEYS}, **DEFAULT_EXTRA)
     c.update({k: v for k, v in (extra or {}).items() if k in EXTRA_KEYS})
     if model_type == "llama":
-        c.update(attention_bias=False, mlp_bias=False)
+        c.update(attention_bias=attention_bias(m), mlp_bias=False)
     elif model_type == "qwen3":
-        c.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
+        c.update(attention_bias=attention_bias(m), use_sliding_window=False, sliding_window=None)
     if model_type in ("llama", "qwen3"):
         return c
     r = m["router"]
@@ -163,16 +190,18 @@ def to_hf_config(m: dict[str, Any], model_type: str, dtype: str, extra: dict[str
     dense = sorted(set(m["dense_layers"]))
     if model_type == "qwen3_moe":
         c.update(num_experts=m["num_experts"], mlp_only_layers=dense, decoder_sparse_step=1,
-                 attention_bias=False, use_sliding_window=False, sliding_window=None)
+                 attention_bias=attention_bias(m), use_sliding_window=False, sliding_window=None)
     elif model_type == "qwen2_moe":
-        c.update(num_experts=m["num_experts"], mlp_only_layers=dense, decoder_sparse_step=1, qkv_bias=False,
+        c.update(num_experts=m["num_experts"], mlp_only_layers=dense, decoder_sparse_step=1,
+                 qkv_bias=attention_bias(m),
                  shared_expert_intermediate_size=m["shared_expert_hidden"], use_sliding_window=False)
     elif model_type == "glm4_moe":
-        # GLM-4-MoE rotates half of each head by default (0.5); transformers < 5 reads the top-level key only.
-        c["rope_parameters"]["partial_rotary_factor"] = c["partial_rotary_factor"] = 1.0
+        # Written even at 1.0: GLM-4-MoE's default is 0.5. transformers < 5 reads the top-level key only.
+        c["rope_parameters"]["partial_rotary_factor"] = c["partial_rotary_factor"] = rotary_fraction(m)
         c.update(n_routed_experts=m["num_experts"], n_shared_experts=m["shared_expert_hidden"] // m["expert_hidden"],
                  first_k_dense_replace=len(dense), n_group=1, topk_group=1,
-                 routed_scaling_factor=routed_scaling_factor(r), use_qk_norm=m["qk_norm"], attention_bias=False,
+                 routed_scaling_factor=routed_scaling_factor(r), use_qk_norm=m["qk_norm"],
+                 attention_bias=attention_bias(m),
                  num_nextn_predict_layers=0)
         if not r["expert_bias"]:  # exported as a zero e_score_correction_bias; import reads this back
             c[NO_EXPERT_BIAS_KEY] = False
@@ -220,16 +249,29 @@ def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     scaling = c.get("rope_scaling")
     _need(c, "rope_scaling" if scaling else "rope_parameters.rope_type", rope_type == "default" and not scaling,
           "'default' (no scaling)", scaling or rope_type)
-    prf = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", default["partial_rotary_factor"]))
-    _need(c, "partial_rotary_factor", prf == 1.0, "1.0 (moe-train rotates the whole head)", prf)
-    for key in ("attention_bias", "mlp_bias", "qkv_bias", "use_sliding_window"):
-        _need(c, key, not c.get(key, default.get(key, False)), "false", c.get(key, default.get(key)))
     d, heads = c["hidden_size"], c["num_attention_heads"]
     hd = c.get("head_dim") or d // heads
+    prf = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", default["partial_rotary_factor"]))
+    if mt == "glm4_moe":  # transformers rotates the first int(head_dim x factor) dims
+        number = isinstance(prf, (int, float)) and not isinstance(prf, bool) and 0 < prf <= 1
+        _need(c, "partial_rotary_factor", number and prf * hd == int(prf * hd) and int(prf * hd) % 2 == 0,
+              f"a fraction in (0, 1] of head_dim={hd} that rotates a whole even number of dims", prf)
+    else:
+        _need(c, "partial_rotary_factor", prf == 1.0,
+              f"1.0 ({ARCH[mt]} rotates the whole head; only Glm4MoeForCausalLM rotates part of it)", prf)
+    # The q/k/v biases: Qwen2-MoE calls them qkv_bias, the others attention_bias (Llama's, Qwen3's and Qwen3-MoE's
+    # also bias o_proj: build_plan expects that bias to be zeros).
+    bias_key = "qkv_bias" if mt == "qwen2_moe" else "attention_bias"
+    bias = c.get(bias_key, default.get(bias_key, False))
+    _need(c, bias_key, isinstance(bias, bool), "true or false", bias)
+    for key in ("attention_bias", "mlp_bias", "qkv_bias", "use_sliding_window"):
+        if key != bias_key:
+            _need(c, key, not c.get(key, default.get(key, False)), "false", c.get(key, default.get(key)))
     m: dict[str, Any] = {
         "vocab_size": c["vocab_size"], "d_model": d, "num_layers": c["num_hidden_layers"], "num_heads": heads,
         "num_kv_heads": c.get("num_key_value_heads") or heads, "head_dim": None if hd * heads == d else hd,
-        "rope_theta": float(rope["rope_theta"]), "norm_eps": c.get("rms_norm_eps", default["rms_norm_eps"]),
+        "attention_bias": bias, "rope_theta": float(rope["rope_theta"]), "rotary_fraction": float(prf),
+        "norm_eps": c.get("rms_norm_eps", default["rms_norm_eps"]),
         "dense_hidden": c["intermediate_size"], "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
         "init_std": c.get("initializer_range", 0.02),
         "qk_norm": mt in ("qwen3", "qwen3_moe") or (mt == "glm4_moe" and bool(c.get("use_qk_norm", False))),

@@ -17,7 +17,7 @@ class ParamCounts:
 def count_params(cfg: ModelConfig) -> ParamCounts:
     d, hd = cfg.d_model, cfg.resolved_head_dim
     attn = d * cfg.num_heads * hd * 2 + d * cfg.num_kv_heads * hd * 2
-    total = active = norm_params(cfg)
+    total = active = norm_params(cfg) + attention_bias_params(cfg)
     for i in range(cfg.num_layers):
         total += attn
         active += attn
@@ -42,12 +42,18 @@ def norm_params(cfg: ModelConfig) -> int:
     return cfg.num_layers * per_layer + cfg.d_model
 
 
+def attention_bias_params(cfg: ModelConfig) -> int:
+    """The q/k/v projection biases of every layer (model.attention_bias). Added, not matmul, weights."""
+    return cfg.num_layers * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.resolved_head_dim if cfg.attention_bias else 0
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """Training FLOPs per token: 6 x active matmul parameters (the weights of attention, dense and expert
     MLPs at top-k, shared experts, routers and the lm head; not the input embedding, a lookup, nor the norm
-    weights) + causal attention."""
+    weights and attention biases) + causal attention."""
     counts = count_params(cfg)
-    matmul_params = counts.active - cfg.vocab_size * cfg.d_model - norm_params(cfg)  # embedding lookup, norms
+    # the embedding lookup, norms and biases
+    matmul_params = counts.active - cfg.vocab_size * cfg.d_model - norm_params(cfg) - attention_bias_params(cfg)
     if cfg.tie_embeddings:
         matmul_params += cfg.vocab_size * cfg.d_model
     # QK^T and AV: 2 matmuls x 2 flops x seq x heads*hd, halved by causality, x3 for fwd+bwd.

@@ -1,4 +1,5 @@
-"""Grouped-query causal self-attention through scaled_dot_product_attention, optional QK-norm."""
+"""Grouped-query causal self-attention through scaled_dot_product_attention, optional QK-norm, q/k/v biases
+and partial rotary."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.resolved_head_dim
-        self.q_proj = recipe.linear(cfg.d_model, self.num_heads * self.head_dim)
-        self.k_proj = recipe.linear(cfg.d_model, self.num_kv_heads * self.head_dim)
-        self.v_proj = recipe.linear(cfg.d_model, self.num_kv_heads * self.head_dim)
+        # model.attention_bias: biases on q, k and v, none on o (GLM-4-MoE's attention_bias, Qwen2-MoE's qkv_bias)
+        self.q_proj = recipe.linear(cfg.d_model, self.num_heads * self.head_dim, bias=cfg.attention_bias)
+        self.k_proj = recipe.linear(cfg.d_model, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
+        self.v_proj = recipe.linear(cfg.d_model, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
         self.o_proj = recipe.linear(self.num_heads * self.head_dim, cfg.d_model)
         # QK-norm per head (Qwen3 / OLMoE-style placement is chosen by the exporter; ours is per head).
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None

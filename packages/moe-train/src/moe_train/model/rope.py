@@ -1,5 +1,9 @@
 """Rotary position embedding (rotate-half layout, as Llama / OLMo / Qwen), one fused kernel on CUDA.
 
+Partial rotary (GLM-4.5: half of each head) rotates the leading rotary_dim dims of a head, rotate-half
+within them, with frequencies over rotary_dim, and passes the rest unchanged, as transformers' Glm4Moe
+(and GPT-NeoX) do; the tables are then [S, rotary_dim] and apply_rope splits the head.
+
 The torch formula (`rope_reference`) runs seven elementwise kernels in fp32, two of them broadcasts
 that torch does not vectorise; on an H200 they were ~7 ms of a 105 ms training step of the
 fine-grained E=8 preset. The Triton kernel reads x once and writes the result once, in fp32 inside.
@@ -23,9 +27,10 @@ except ImportError:  # torch without triton: the reference everywhere
 _ROWS_PER_PROGRAM = 16
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [seq_len, head_dim] fp32, in the rotate-half layout."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+def rope_tables(seq_len: int, rotary_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [seq_len, rotary_dim] fp32, in the rotate-half layout (rotary_dim: head_dim, or the rotated
+    part of a head under partial rotary)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim))
     freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
@@ -94,9 +99,12 @@ class _RopeFn(torch.autograd.Function):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, S, hd] (any strides); cos/sin: [S, hd] fp32 from rope_tables -> x rotated, in x's dtype.
-    The fused kernel on CUDA (cos/sin without gradients), rope_reference elsewhere (and for cos/sin
-    that need gradients)."""
+    """x: [B, H, S, hd] (any strides); cos/sin: [S, rd] fp32 from rope_tables, rd <= hd -> x with its first rd
+    dims rotated and the rest as they were, in x's dtype. The fused kernel on CUDA (cos/sin without gradients),
+    rope_reference elsewhere (and for cos/sin that need gradients)."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:  # partial rotary: only the leading dims turn
+        return torch.cat([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
     fused = (
         triton is not None and triton_can_run_on(x) and x.dim() == 4 and x.shape[-1] % 2 == 0 and x.numel() > 0
         and not (cos.requires_grad or sin.requires_grad)

@@ -78,7 +78,7 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int, expert_row_offsets: Mapping[str, int] | None = None) -> None:
-        """Norm weights 1, every other weight N(0, init_std) from its own generator (seed, name),
+        """Norm weights 1, biases 0, every other weight N(0, init_std) from its own generator (seed, name),
         routed-expert weights one generator per global expert (seed, name, expert): a rank that
         holds experts [offset, offset + rows) of a parameter (expert_row_offsets[name] = offset)
         draws exactly those experts' values of the whole model. Buffers are zeroed; tied
@@ -96,6 +96,8 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith(".bias"):  # the attention's q/k/v biases (model.attention_bias)
+                p.zero_()
             elif name in expert_params:
                 first = offsets.get(name, 0)
                 for i in range(p.shape[0]):
@@ -107,7 +109,7 @@ class Transformer(nn.Module):
         c = self._rope_cache
         if c is None or c[0] < seq_len or c[1] != device:
             with torch.inference_mode(False):  # made under inference_mode, they still serve training forwards
-                cos, sin = rope_tables(seq_len, self.cfg.resolved_head_dim, self.cfg.rope_theta, device)
+                cos, sin = rope_tables(seq_len, self.cfg.rotary_dim, self.cfg.rope_theta, device)
             self._rope_cache = c = (seq_len, device, cos, sin)
         return c[2][:seq_len], c[3][:seq_len]
 
