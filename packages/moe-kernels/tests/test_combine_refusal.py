@@ -1,10 +1,13 @@
-"""AllToAllDispatcher.combine on 3 gloo ranks: bad input on ONE rank makes EVERY rank raise, before any row moves.
+"""AllToAllDispatcher.combine and dispatch on 3 gloo ranks: bad input on ONE rank makes EVERY rank raise, before
+any row moves, the other ranks quoting the error of the rank at fault.
 
 Before, combine checked its inputs on each rank alone: the rank at fault raised while its peers entered the
 row exchange and waited there, until the process-group timeout or until the rank at fault's next collective
 met them there and gloo aborted every process on the mismatched sizes (SIGABRT); rows of another width or
 dtype, or a DispatchResult of another dispatcher or dispatch call, went into the exchange on mismatched
 sizes; router weights of the wrong shape raised on that rank only after the exchange, the peers went on.
+Dispatch already refused on every rank, but its peers only said that rank "refused its inputs", without
+its error (group `dispatch_refusal`).
 Each case damages rank 1's inputs only; every rank records how its combine ended. After the refused calls a
 good combine must go through and match one process running the whole batch through LocalDispatcher
 (outputs and gradients), so no half-done exchange is left behind.
@@ -15,6 +18,7 @@ and the spawn a deadline, so a rank that does not raise fails the test instead o
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import socket
@@ -29,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moe_kernels import AllToAllDispatcher, LocalDispatcher, build_route_map, swiglu_experts
+from moe_kernels import AllToAllDispatcher, LocalDispatcher, RouteMap, build_route_map, swiglu_experts
 
 pytestmark = pytest.mark.slow
 WORLD, BAD = 3, 1  # rank BAD's inputs are damaged, the others' are good
@@ -183,7 +187,53 @@ def router_weights(rank: int) -> dict:
     }
 
 
-GROUPS = ("good_before", "expert_out_shape", "expert_out_dtype", "another_result", "router_weights")
+def _dispatch_attempt(rank: int, dispatcher: AllToAllDispatcher, seed: int, damage,  # noqa: ANN001
+                      bad: tuple[int, ...] = (BAD,)) -> str | tuple:
+    """Dispatch on every rank; on the ranks in `bad`, x and the route map come from damage(x, ids)."""
+    x, ids = _mine(rank, _batch(seed))[:2]
+    x, route_map = damage(x, ids) if rank in bad else (x, build_route_map(ids, E))
+
+    def dispatch() -> str:
+        dispatcher.dispatch(x, route_map)
+        return "ok"
+
+    return _outcome(dispatch)
+
+
+def _one_count_more(ids: torch.Tensor) -> RouteMap:
+    """A hand-built route map whose counts do not sum to T*k."""
+    rm = build_route_map(ids, E)
+    counts = rm.counts.clone()
+    counts[0] += 1
+    return dataclasses.replace(rm, counts=counts)
+
+
+def dispatch_refusal(rank: int) -> dict:
+    disp = AllToAllDispatcher(dist.group.WORLD, E)
+    return {
+        "x_three_d": _dispatch_attempt(rank, disp, 20, lambda x, ids: (x[:, None], build_route_map(ids, E))),
+        "x_one_row_more": _dispatch_attempt(rank, disp, 21, lambda x, ids: (torch.cat([x, x[:1]]),
+                                                                           build_route_map(ids, E))),
+        "x_on_another_device": _dispatch_attempt(rank, disp, 22, lambda x, ids: (x.to("meta"),
+                                                                                build_route_map(ids, E))),
+        "route_map_over_another_E": _dispatch_attempt(rank, disp, 23, lambda x, ids: (x, build_route_map(ids, 2 * E))),
+        "counts_not_summing_to_rows": _dispatch_attempt(rank, disp, 24, lambda x, ids: (x, _one_count_more(ids))),
+        # rows of another width or dtype are no error of one rank: every rank raises the same disagreement
+        "wider": _dispatch_attempt(rank, disp, 25, lambda x, ids: (torch.cat([x, x[:, :2]], 1),
+                                                                  build_route_map(ids, E))),
+        "int64": _dispatch_attempt(rank, disp, 26, lambda x, ids: (x.long(), build_route_map(ids, E))),
+        # rank 0's route map is over another E, rank 1's x is 3-D; rank 2 is good
+        "two_bad_ranks": _dispatch_attempt(
+            rank, disp, 27,
+            lambda x, ids: (x, build_route_map(ids, 2 * E)) if rank == 0 else (x[:, None], build_route_map(ids, E)),
+            bad=(0, BAD),
+        ),
+        "then_good": _good(rank, disp, seed=28),
+    }
+
+
+GROUPS = ("good_before", "expert_out_shape", "expert_out_dtype", "another_result", "router_weights",
+          "dispatch_refusal")
 
 
 # ---- spawning ------------------------------------------------------------------------------------------
@@ -293,6 +343,35 @@ def test_router_weights_of_another_shape_or_dtype_on_one_rank_raise_on_every_ran
     _refused_on_bad_rank(cases, "integer", "ValueError", "must be a floating-point tensor", "torch.int64")
     for r, got in enumerate(c["nan"] for c in cases):
         assert got == {"nan_rows": [2] if r == BAD else [], "same_elsewhere": True}, f"rank {r}: {got}"
+
+
+def test_bad_x_or_route_map_on_one_rank_makes_the_other_ranks_dispatch_raise_quoting_its_error(ranks):
+    cases = _cases(ranks, "dispatch_refusal")
+    _refused_on_bad_rank(cases, "x_three_d", "ValueError", "x must be 2-D [T, d], got shape (5, 1, 8)")
+    _refused_on_bad_rank(cases, "x_one_row_more", "ValueError", "x has 6 rows but the route map was built for 5 tokens")
+    _refused_on_bad_rank(cases, "x_on_another_device", "ValueError", "x is on device=meta")
+    _refused_on_bad_rank(cases, "route_map_over_another_E", "ValueError",
+                         "route map has 12 experts, dispatcher expects 6")
+    _refused_on_bad_rank(cases, "counts_not_summing_to_rows", "ValueError", "do not sum to T*k=10 rows")
+
+
+def test_rows_of_another_width_or_dtype_on_one_rank_make_every_rank_dispatch_raise_the_same_error(ranks):
+    cases = _cases(ranks, "dispatch_refusal")
+    _all_refused(cases, "wider", "rank 1: d=10 (10 values per row, torch.float32)", "rank 0: d=8")
+    _all_refused(cases, "int64", "rank 1: d=8 (8 values per row, torch.int64)",
+                 "rank 0: d=8 (8 values per row, torch.float32)")
+    for case in ("wider", "int64"):
+        assert len({c[case] for c in cases}) == 1, f"{case}: {[c[case] for c in cases]}"
+
+
+def test_bad_input_on_two_ranks_makes_dispatch_quote_both_errors(ranks):
+    got = [c["two_bad_ranks"] for c in _cases(ranks, "dispatch_refusal")]
+    for r, kind in enumerate(g[0] if isinstance(g, tuple) else g for g in got):
+        assert kind == "ValueError", f"rank {r}: {got[r]}"
+    e_text, x_text = (f"ValueError: {got[r][1]}" for r in (0, 1))
+    assert "route map has 12 experts" in e_text and "x must be 2-D" in x_text, got
+    assert f"EP rank 0: {e_text}" in got[2][1] and f"EP rank 1: {x_text}" in got[2][1], got[2]
+    assert f"also EP rank 1: {x_text}" in got[0][2] and f"also EP rank 0: {e_text}" in got[1][2], got
 
 
 def test_good_combines_before_and_after_refused_ones_match_the_one_process_reference(ranks):

@@ -16,8 +16,9 @@ process inside gloo (SIGABRT) or corrupt memory under NCCL. So every rank checks
 *before* the first collective and sends, beside its counts, a small header (a status, the payload's
 values per row and dtype, d); after that one exchange every EP rank knows whether every other
 rank can go on, and all of them raise the same kind of ValueError, before any row moves, when one
-cannot (its own rank the detailed message, the others one naming that rank). Combine has no exchange
-before its rows to carry such a header, so it gathers a few int64 per rank first (see combine).
+cannot (its own rank the detailed message, the others one naming that rank and quoting its message,
+gathered on that path only). Combine has no exchange before its rows to carry such a header, so it
+gathers a few int64 per rank first (see combine).
 
 Capacity (optional): with capacity_factor c > 0 a rank computes at most ceil(c * T * k) received
 rows; rows past the cap in local-expert order (higher local experts, then higher source ranks,
@@ -34,7 +35,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moe_kernels.collective_checks import dtype_code, dtype_name, gather_or_raise, require_agreement
+from moe_kernels.collective_checks import (
+    dtype_code,
+    dtype_name,
+    gather_or_raise,
+    raise_refused,
+    refused_device,
+    require_agreement,
+)
 from moe_kernels.dispatch import DispatchResult, IdentityCodec, PayloadCodec
 from moe_kernels.permute import check_rows, check_route_map_device, check_router_weights, combine, permute
 from moe_kernels.route_map import RouteMap, positive_int
@@ -116,7 +124,7 @@ class AllToAllDispatcher:
         Call on every rank of the EP group. Bad input on any rank (shapes, counts that are not
         integers or do not sum to T*k, a payload of another width or dtype than the other ranks')
         raises on every rank after one small exchange, before any row moves: the rank at fault its
-        own error, the others a ValueError naming that rank.
+        own error, the others a ValueError naming that rank and quoting its error.
         """
         ep, e_local = self.ep_size, self.num_local_experts
         self._dispatches += 1
@@ -144,7 +152,7 @@ class AllToAllDispatcher:
         host = torch.cat([send[:, :e_local].sum(1), recv.reshape(-1)]).tolist()
         send_splits = host[:ep]
         table = [host[ep + r * (e_local + _HEADER) : ep + (r + 1) * (e_local + _HEADER)] for r in range(ep)]
-        self._refuse_together(problem, table, route_map)
+        self._refuse_together(problem, table, route_map, send.device)
         recv_counts = recv[:, :e_local]  # [ep, E_local]: from each source rank, per local expert
         recv_splits = [sum(row[:e_local]) for row in table]
         num_recv = sum(recv_splits)
@@ -171,9 +179,13 @@ class AllToAllDispatcher:
     def _counts_and_header(
         self, x: torch.Tensor, route_map: RouteMap, payload: torch.Tensor | None, problem: Exception | None
     ) -> torch.Tensor:
-        """[ep, E_local + header] int64 on x's device: row r goes to EP rank r. Built without a host read."""
+        """[ep, E_local + header] int64 on x's device: row r goes to EP rank r. Built without a host read.
+
+        A refused rank's x may be no tensor, or on a device the group does not take (a header there would
+        leave this rank out of the exchange its peers are in), so its header goes where the group wants it.
+        """
         ep, e_local = self.ep_size, self.num_local_experts
-        device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
+        device = refused_device(self.group) if problem is not None else x.device
         send = torch.zeros(ep, e_local + _HEADER, dtype=torch.int64, device=device)
         if problem is not None:
             send[:, e_local + _STATUS] = _BAD_INPUT
@@ -188,25 +200,20 @@ class AllToAllDispatcher:
         send[:, e_local + _WIDTH] = x.shape[1]
         return send
 
-    def _refuse_together(self, problem: Exception | None, table: list[list[int]], route_map: RouteMap) -> None:
+    def _refuse_together(
+        self, problem: Exception | None, table: list[list[int]], route_map: RouteMap, device: torch.device
+    ) -> None:
         """table[r]: source rank r's counts for my local experts + its header. Same verdict on every rank."""
-        ep, e_local, me = self.ep_size, self.num_local_experts, self.ep_rank
-        if problem is not None:
-            problem.add_note(f"(EP rank {me} of {ep}; every EP rank raised before any row moved)")
-            raise problem
+        e_local, me = self.num_local_experts, self.ep_rank
         status = [row[e_local + _STATUS] for row in table]
-        if status[me] & _BAD_COUNTS:
-            raise ValueError(
-                f"route map counts {route_map.counts.tolist()} have a negative entry or do not sum to "
-                f"T*k={route_map.num_rows} rows (EP rank {me} of {ep}; every EP rank raised before any row moved)"
-            )
-        bad = [r for r in range(ep) if status[r]]
-        if bad:
-            reasons = {_BAD_INPUT: "its inputs were refused", _BAD_COUNTS: "its route map counts are inconsistent"}
-            why = "; ".join(f"EP rank {r}: {reasons.get(status[r], 'refused its inputs')}" for r in bad)
-            raise ValueError(
-                f"dispatch stopped on every EP rank before any row moved: {why} (its own error names the value)"
-            )
+        bad = [r for r in range(self.ep_size) if status[r]]
+        if bad:  # the error texts travel on this path only: a good call pays for the count exchange alone
+            if status[me] & _BAD_COUNTS:
+                problem = ValueError(
+                    f"route map counts {route_map.counts.tolist()} have a negative entry or do not sum to "
+                    f"T*k={route_map.num_rows} rows"
+                )
+            raise_refused("dispatch", problem, bad, self.group, device)
         sent = [(row[e_local + _ROW_NUMEL], row[e_local + _DTYPE], row[e_local + _WIDTH]) for row in table]
         if len(set(sent)) > 1:
             each = "; ".join(f"rank {r}: d={w} ({n} values per row, {dtype_name(c)})"

@@ -10,7 +10,7 @@ collective whether it can go on, and then every rank goes on or every rank raise
 from __future__ import annotations
 
 from contextlib import nullcontext as _no_stream
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -41,14 +41,15 @@ def gather_or_raise(
 
     A good call costs one all_gather of 1 + len(values) int64 per rank and one host read of the result.
     When a rank had a problem, every rank also gathers the error texts (a second all_gather, on that path
-    only) and raises: the rank at fault its own error with a note, the others a ValueError naming that
-    rank and quoting its error. A group of one rank needs neither.
+    only) and raises (see raise_refused). A group of one rank needs neither.
     """
-    ep, me = dist.get_world_size(group), dist.get_rank(group)
+    ep = dist.get_world_size(group)
     if ep == 1:
         if problem is not None:
             raise problem
         return [values]
+    if problem is not None:
+        device = refused_device(group)
     # On a GPU the verdict travels on a side stream: it depends on no queued kernel, so the host read
     # below waits for the peers only, not for the work queued before the check (unmeasured: EP has not
     # run on several GPUs here; gloo groups take CPU tensors and have no streams).
@@ -59,8 +60,18 @@ def gather_or_raise(
         dist.all_gather_into_tensor(table, mine, group=group)
         rows = table.view(ep, -1).tolist()
     bad = [r for r in range(ep) if rows[r][0]]
-    if not bad:
-        return [row[1:] for row in rows]
+    if bad:
+        raise_refused(op, problem, bad, group, device)
+    return [row[1:] for row in rows]
+
+
+def raise_refused(op: str, problem: Exception | None, bad: list[int], group: Any, device: torch.device) -> NoReturn:
+    """Raise on every rank once every rank knows that the ranks in `bad` had a problem (`problem` on those).
+
+    The rank at fault raises its own error with a note, the others a ValueError naming each rank at fault
+    and quoting its error. Costs one all_gather of _TEXT_BYTES per rank: call it on the failure path only.
+    """
+    ep, me = dist.get_world_size(group), dist.get_rank(group)
     texts = _gather_texts(problem, ep, group, device)
     where = f"{op} stopped on every EP rank before any row moved"
     others = "; ".join(f"EP rank {r}: {texts[r]}" for r in bad if r != me)
@@ -68,6 +79,15 @@ def gather_or_raise(
         problem.add_note(f"(EP rank {me} of {ep}; {where}" + (f"; also {others})" if others else ")"))
         raise problem
     raise ValueError(f"{where}: {others}")
+
+
+def refused_device(group: Any) -> torch.device:
+    """Where a rank whose inputs were refused joins the verdict exchange: its inputs may sit on a device the
+    group's backend does not take (a meta tensor, or CPU rows in an NCCL group), and a tensor there leaves
+    the rank out of the exchange its peers are in."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _gather_texts(problem: Exception | None, ep: int, group: Any, device: torch.device) -> list[str]:
