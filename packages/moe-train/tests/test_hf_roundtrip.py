@@ -100,12 +100,18 @@ def test_transformers_saved_folder_round_trips(tmp_path):
             assert native_cfg.get(key, value) == value, key
 
 
-def test_learned_shared_expert_gate_is_refused(tmp_path):
+def test_a_learned_gate_in_a_folder_that_says_ungated_is_refused(tmp_path):
+    """A learned shared_expert_gate imports as model.shared_expert_gate (test_hf_qwen2_moe_gate.py; moe-ckpt <= 0.8
+    refused every one); a folder whose config.json says, as our export of an ungated model does, that the shared
+    expert has no gate must hold a zero (pinned open) one."""
     hf_cfg = transformers.Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
                                          shared_expert_intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
                                          num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, qkv_bias=False)
     transformers.Qwen2MoeForCausalLM(hf_cfg).save_pretrained(tmp_path)
-    with pytest.raises(HFConversionError, match="model.layers.0.mlp.shared_expert_gate.weight is not all zeros"):
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "moe_train_shared_expert_gate": False}))
+    with pytest.raises(HFConversionError, match=r"model\.layers\.0\.mlp\.shared_expert_gate\.weight is not all zeros "
+                                                r".*moe_train_shared_expert_gate=false"):
         import_hf(tmp_path)
 
 

@@ -54,6 +54,9 @@ class ModelConfig:
     num_experts: int = 8  # 0 = a dense model
     expert_hidden: int = 128
     shared_expert_hidden: int = 0  # 0 = no shared expert
+    # A learned per-token gate on the shared expert's output, sigmoid(x . w) x shared(x) (Qwen1.5-MoE, Qwen2-MoE);
+    # needs a shared expert. Off: the shared expert's output is added as it is.
+    shared_expert_gate: bool = False
     router: RouterConfig = field(default_factory=RouterConfig)
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -254,6 +257,9 @@ def validate(cfg: Config) -> Config:
         _check(1 <= r.top_k <= m.num_experts, "model.router.top_k", r.top_k,
                f"1 <= top_k <= model.num_experts={m.num_experts}")
     _check(m.shared_expert_hidden >= 0, "model.shared_expert_hidden", m.shared_expert_hidden, ">= 0")
+    _check(not m.shared_expert_gate or m.shared_expert_hidden > 0, "model.shared_expert_gate", m.shared_expert_gate,
+           f"false with model.shared_expert_hidden={m.shared_expert_hidden} (the gate scales the shared expert's "
+           "output: set model.shared_expert_hidden > 0, or leave the gate off)")
     widths = {"model.vocab_size": m.vocab_size, "model.num_heads x head_dim": m.num_heads * m.resolved_head_dim,
               "model.dense_hidden": m.dense_hidden, "model.shared_expert_hidden": m.shared_expert_hidden,
               "model.num_experts x expert_hidden": m.num_experts * m.expert_hidden}

@@ -9,6 +9,9 @@ Ours -> HF (per MoE layer i, E experts, hidden h):
     blocks.i.mlp.router.expert_bias [E]          -> model.layers.i.mlp.gate.e_score_correction_bias (GLM, fp32)
     blocks.i.mlp.experts.w_gate_up [E, d, 2h]    -> model.layers.i.mlp.experts.{j}.{gate,up}_proj.weight [h, d]
     blocks.i.mlp.experts.w_down [E, h, d]        -> model.layers.i.mlp.experts.{j}.down_proj.weight [d, h]
+    blocks.i.mlp.shared_expert.{gate,up,down}    -> model.layers.i.mlp.shared_expert{,s}.{gate,up,down}_proj.weight
+    blocks.i.mlp.shared_expert_gate.weight [1, d] -> model.layers.i.mlp.shared_expert_gate.weight (Qwen2-MoE; without
+                                                    model.shared_expert_gate: zeros, and the shared down_proj x2)
 The per-expert names are what transformers' own save_pretrained writes (it fuses them into
 experts.gate_up_proj [E, 2h, d] / experts.down_proj [E, d, h] on load), so vLLM and older
 transformers read the folder too. Every transform is a transpose, a split or an exact x2.
@@ -21,7 +24,9 @@ from typing import Any
 
 import torch
 
-from moe_ckpt.hf.spec import HFConversionError, attention_bias, has_output_bias, head_dim
+from moe_ckpt.hf.spec import (
+    NO_SHARED_EXPERT_GATE_KEY, HFConversionError, attention_bias, has_output_bias, head_dim, shared_expert_gate,
+)
 
 Shape = tuple[int, ...]
 
@@ -93,16 +98,21 @@ def _moe_layer(m: dict[str, Any], model_type: str, b: str, L: str) -> list[Entry
     if model_type == "qwen3_moe":
         return out
     shared = f"{L}.mlp.shared_expert" if model_type == "qwen2_moe" else f"{L}.mlp.shared_experts"
+    # Qwen2-MoE scales its shared expert by sigmoid(gate . x). Our model's own gate maps onto it; without one, a
+    # zero gate gives exactly 0.5, so the down projection is stored doubled (exact in binary floating point) and
+    # the gate pinned to zero.
+    pinned_open = model_type == "qwen2_moe" and not shared_expert_gate(m)
     if s > 0:
-        # Qwen2-MoE scales its shared expert by sigmoid(gate . x); a zero gate gives exactly 0.5, so the
-        # down projection is stored doubled (exact in binary floating point) and the gate pinned to zero.
         out += _swiglu(f"{b}.mlp.shared_expert", shared, d, s, ("gate", "up", "down"),
-                       kind="double" if model_type == "qwen2_moe" else "copy")
+                       kind="double" if pinned_open else "copy")
     else:
         out.append(Entry("zeros", None, (), tuple((f"{shared}.{p}_proj.weight", (0, d)) for p in ("gate", "up"))
                          + ((f"{shared}.down_proj.weight", (d, 0)),)))
-    if model_type == "qwen2_moe":
-        out.append(Entry("zeros", None, (), ((f"{L}.mlp.shared_expert_gate.weight", (1, d)),)))
+    gate = f"{L}.mlp.shared_expert_gate.weight"
+    if pinned_open:
+        out.append(Entry("zeros", None, (), ((gate, (1, d)),)))
+    elif model_type == "qwen2_moe":
+        out.append(_copy(f"{b}.mlp.shared_expert_gate.weight", gate, (1, d)))
     return out
 
 
@@ -132,7 +142,9 @@ def from_hf(entry: Entry, ts: list[torch.Tensor]) -> torch.Tensor | None:
                        "that key to import this bias live" if name.endswith(".e_score_correction_bias") else
                        "moe-train's attention_bias puts biases on q, k and v only (as GLM-4-MoE and Qwen2-MoE do); "
                        "a bias on o_proj has no counterpart in moe-train" if name.endswith(".o_proj.bias") else
-                       "a learned shared-expert gate has no counterpart in moe-train")
+                       f"config.json's {NO_SHARED_EXPERT_GATE_KEY}=false (or shared_expert_intermediate_size=0) says "
+                       "the shared expert is not gated; remove that key to import the gate learned "
+                       "(model.shared_expert_gate)")
                 raise HFConversionError(f"tensor {name} is not all zeros (max |x| = {t.abs().max().item():.3g}): {why}")
         return None
     if entry.kind == "copy":

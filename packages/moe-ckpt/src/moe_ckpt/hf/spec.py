@@ -8,7 +8,8 @@ would export.
     num_experts == 0, qk_norm            -> Qwen3ForCausalLM
     num_experts == 0, no qk_norm         -> LlamaForCausalLM
     softmax, qk_norm, no shared expert   -> Qwen3MoeForCausalLM   (dense layers: mlp_only_layers)
-    softmax, no qk_norm                  -> Qwen2MoeForCausalLM   (shared expert: gate pinned open)
+    softmax, no qk_norm                  -> Qwen2MoeForCausalLM   (shared expert: shared_expert_gate learned,
+                                                                   or without it the gate pinned open)
     sigmoid (+ expert bias, shared)      -> Glm4MoeForCausalLM    (dense layers must lead; routed scaling;
                                                                    partial rotary)
 
@@ -34,6 +35,11 @@ DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 # exported with a zero bias and this key set to false, so import gives back router.expert_bias=False (the bias
 # stays zero and is not trained) rather than a live zero bias. transformers keeps the key as an attribute.
 NO_EXPERT_BIAS_KEY = "moe_train_expert_bias"
+# Qwen2-MoE always gates its shared expert, sigmoid(x . w) x shared(x). A model trained without the gate
+# (model.shared_expert_gate=False) is exported with the gate pinned open (zero weights: sigmoid = 0.5, the shared
+# down projection doubled) and this key set to false, so import gives back the ungated shared expert; without the
+# key (transformers' own folders, Qwen1.5-MoE, Qwen2-57B-A14B) the gate imports learned.
+NO_SHARED_EXPERT_GATE_KEY = "moe_train_shared_expert_gate"
 
 ARCH = {
     "llama": "LlamaForCausalLM",
@@ -57,7 +63,7 @@ def _refuse(feature: str, nearest: str) -> HFConversionError:
 MAPPED_FIELDS = frozenset({
     "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "qk_norm", "attention_bias",
     "rope_theta", "rotary_fraction", "norm_eps", "dense_hidden", "dense_layers", "num_experts", "expert_hidden",
-    "shared_expert_hidden", "tie_embeddings", "router",
+    "shared_expert_hidden", "shared_expert_gate", "tie_embeddings", "router",
 })
 UNCOMPUTED_FIELDS = frozenset({"init_std", "gemm_backend", "precision"})  # initialisation, kernels, training recipe
 ROUTER_FIELDS = frozenset({"gating", "top_k", "normalize_top_k", "routing", "expert_bias", "routed_scaling_factor"})
@@ -109,6 +115,9 @@ def _moe_model_type(m: dict[str, Any]) -> str:
                           "a multiple of expert_hidden")
         if m["num_experts"] < 2:
             raise _refuse(f"num_experts={m['num_experts']} with sigmoid gating", "num_experts >= 2")
+        if shared_expert_gate(m):
+            raise _refuse("shared_expert_gate=True with sigmoid gating (GLM-4-MoE's shared experts are not gated)",
+                          "router.gating='softmax' with qk_norm=False (Qwen2MoeForCausalLM) or shared_expert_gate=False")
         return "glm4_moe"
     if r["gating"] != "softmax":
         raise HFConversionError(f"router.gating={r['gating']!r}: expected 'softmax' or 'sigmoid'")
@@ -131,6 +140,12 @@ def _moe_model_type(m: dict[str, Any]) -> str:
 
 def head_dim(m: dict[str, Any]) -> int:
     return m["head_dim"] if m.get("head_dim") is not None else m["d_model"] // m["num_heads"]
+
+
+def shared_expert_gate(m: dict[str, Any]) -> bool:
+    """Whether the shared expert's output is gated (and there is a shared expert); a model dict without the key
+    (written before it existed): no."""
+    return bool(m.get("shared_expert_gate", False)) and m["shared_expert_hidden"] > 0
 
 
 def routed_scaling_factor(router: dict[str, Any]) -> float:
@@ -195,6 +210,8 @@ def to_hf_config(m: dict[str, Any], model_type: str, dtype: str, extra: dict[str
         c.update(num_experts=m["num_experts"], mlp_only_layers=dense, decoder_sparse_step=1,
                  qkv_bias=attention_bias(m),
                  shared_expert_intermediate_size=m["shared_expert_hidden"], use_sliding_window=False)
+        if m["shared_expert_hidden"] > 0 and not shared_expert_gate(m):  # exported pinned open; import reads this
+            c[NO_SHARED_EXPERT_GATE_KEY] = False
     elif model_type == "glm4_moe":
         # Written even at 1.0: GLM-4-MoE's default is 0.5. transformers < 5 reads the top-level key only.
         c["rope_parameters"]["partial_rotary_factor"] = c["partial_rotary_factor"] = rotary_fraction(m)
@@ -278,7 +295,7 @@ def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     }
     extra = {k: c[k] for k in EXTRA_KEYS if c.get(k) is not None}
     if mt in ("llama", "qwen3"):
-        m.update(num_experts=0, dense_layers=[], shared_expert_hidden=0)
+        m.update(num_experts=0, dense_layers=[], shared_expert_hidden=0, shared_expert_gate=False)
         return m, extra
     router = {"top_k": c["num_experts_per_tok"], "normalize_top_k": bool(c.get("norm_topk_prob", mt == "glm4_moe")),
               "routing": "learned", "gating": "softmax", "expert_bias": False, "routed_scaling_factor": 1.0}
@@ -287,9 +304,14 @@ def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     m.update(expert_hidden=c["moe_intermediate_size"], router=router)
     if mt in ("qwen3_moe", "qwen2_moe"):
         _need(c, "decoder_sparse_step", c.get("decoder_sparse_step", 1) == 1, "1")
+        shared = c.get("shared_expert_intermediate_size", 0) if mt == "qwen2_moe" else 0
+        # Qwen2-MoE's gate is learned, unless our export says the model had none (its gate is then zeros, which
+        # the tensor check verifies); a folder without a shared expert has nothing to gate.
+        gated = c.get(NO_SHARED_EXPERT_GATE_KEY, True)
+        _need(c, NO_SHARED_EXPERT_GATE_KEY, isinstance(gated, bool), "true or false", gated)
         m.update(num_experts=c.get("num_experts", c.get("num_local_experts")),
-                 dense_layers=sorted(set(c.get("mlp_only_layers") or [])),
-                 shared_expert_hidden=c.get("shared_expert_intermediate_size", 0) if mt == "qwen2_moe" else 0)
+                 dense_layers=sorted(set(c.get("mlp_only_layers") or [])), shared_expert_hidden=shared,
+                 shared_expert_gate=mt == "qwen2_moe" and gated and shared > 0)
     else:  # glm4_moe
         _need(c, "n_group", c.get("n_group", 1) == 1, "1 (no group-limited routing)")
         _need(c, "topk_group", c.get("topk_group", 1) == 1, "1")
@@ -303,5 +325,6 @@ def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         _need(c, NO_EXPERT_BIAS_KEY, isinstance(live, bool), "true or false", live)
         router.update(gating="sigmoid", expert_bias=live, routed_scaling_factor=float(scale))
         m.update(num_experts=c["n_routed_experts"], dense_layers=list(range(c.get("first_k_dense_replace", 1))),
-                 shared_expert_hidden=c.get("n_shared_experts", 1) * c["moe_intermediate_size"])
+                 shared_expert_hidden=c.get("n_shared_experts", 1) * c["moe_intermediate_size"],
+                 shared_expert_gate=False)
     return m, extra

@@ -24,6 +24,8 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
         if cfg.is_moe_layer(i):
             expert = 3 * d * cfg.expert_hidden
             shared = 3 * d * cfg.shared_expert_hidden
+            if cfg.shared_expert_gate and cfg.shared_expert_hidden > 0:  # Linear(d, 1), a matmul like the router
+                shared += d
             router = cfg.num_experts * d
             total += cfg.num_experts * expert + shared + router
             active += cfg.router.top_k * expert + shared + router
@@ -49,8 +51,8 @@ def attention_bias_params(cfg: ModelConfig) -> int:
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """Training FLOPs per token: 6 x active matmul parameters (the weights of attention, dense and expert
-    MLPs at top-k, shared experts, routers and the lm head; not the input embedding, a lookup, nor the norm
-    weights and attention biases) + causal attention."""
+    MLPs at top-k, shared experts and their gates, routers and the lm head; not the input embedding, a lookup,
+    nor the norm weights and attention biases) + causal attention."""
     counts = count_params(cfg)
     # the embedding lookup, norms and biases
     matmul_params = counts.active - cfg.vocab_size * cfg.d_model - norm_params(cfg) - attention_bias_params(cfg)

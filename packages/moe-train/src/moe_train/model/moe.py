@@ -1,4 +1,4 @@
-"""The MoE block: router, routed experts behind a token dispatcher, optional shared expert."""
+"""The MoE block: router, routed experts behind a token dispatcher, optional shared expert (optionally gated)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,10 @@ class MoELayer(nn.Module):
         self.shared_expert = (
             SwiGLU(cfg.d_model, cfg.shared_expert_hidden, recipe) if cfg.shared_expert_hidden > 0 else None
         )
+        # model.shared_expert_gate: Qwen2-MoE's learned per-token gate, Linear(d, 1) without bias.
+        self.shared_expert_gate = (
+            recipe.linear(cfg.d_model, 1) if cfg.shared_expert_gate and self.shared_expert is not None else None
+        )
         # The transport: local by default; expert parallelism swaps in an all-to-all dispatcher.
         self.dispatcher: TokenDispatcher = LocalDispatcher(cfg.num_experts)
 
@@ -54,5 +58,8 @@ class MoELayer(nn.Module):
             out = d.combine(expert_out, result, routed.weights)
             self.router.record_dropped(result.dropped)  # rows past a capacity: counted in the layer's health
         if self.shared_expert is not None:
-            out = out + self.shared_expert(flat)
+            shared = self.shared_expert(flat)
+            if self.shared_expert_gate is not None:  # [T, 1]: one scale per token
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
         return out.reshape(shape).to(x.dtype), routed.aux_loss
