@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -22,6 +24,9 @@ from moe_ckpt.hf import HFConversionError, export_hf_folder, from_hf_config, ope
 from moe_train.config import Config, ModelConfig, RouterConfig, validate
 from moe_train.hf_bridge import export_hf, import_hf
 from moe_train.model import Transformer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hf_logits_helpers import folder_tensors, hf_logits, our_logits, one_thread  # noqa: E402,F401 - one_thread: autouse
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:export of .*no tokenizer found:UserWarning")
@@ -37,12 +42,6 @@ QWEN2_SIZES = dict(vocab_size=VOCAB, hidden_size=D, intermediate_size=48, moe_in
                    initializer_range=0.1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def randomise(model: torch.nn.Module) -> None:
@@ -101,25 +100,14 @@ def qwen2_moe_folder(folder):
     return model
 
 
-def hf_logits(folder, ids: torch.Tensor) -> torch.Tensor:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    with torch.no_grad():
-        return hf(ids).logits
 
 
-def our_logits(model_cfg: ModelConfig, state: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
-    model = Transformer(model_cfg)
-    model.load_state_dict(state, strict=True)
-    with torch.no_grad():
-        return model.eval()(ids)[0]
 
 
 def token_ids() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
 
 
-def folder_tensors(folder) -> dict[str, torch.Tensor]:
-    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
 
 
 def check_round_trip(folder, cfg: Config, state: dict[str, torch.Tensor], ids: torch.Tensor, want: torch.Tensor,

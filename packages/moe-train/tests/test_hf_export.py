@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import warnings
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -16,6 +18,9 @@ from moe_train.config import Config, ModelConfig, RouterConfig, validate
 from moe_train.model import Transformer
 
 transformers = pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hf_logits_helpers import one_thread  # noqa: E402,F401 - autouse: one torch thread for the module
 
 BASE = dict(vocab_size=96, d_model=48, num_layers=3, num_heads=4, num_kv_heads=2, dense_hidden=80, num_experts=6,
             expert_hidden=24, init_std=0.08, rope_theta=5000.0, norm_eps=1e-5)
@@ -36,13 +41,6 @@ ARCHS = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
          "qwen3_dense": "Qwen3ForCausalLM", "llama_dense": "LlamaForCausalLM"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny GEMMs: one thread is ~10x faster than two on a busy 2-core CI machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_model(seed: int = 0, **overrides) -> Transformer:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -28,6 +30,9 @@ from moe_train.presets import get_preset
 
 transformers = pytest.importorskip("transformers")
 
+sys.path.insert(0, str(Path(__file__).parent))
+from hf_logits_helpers import one_thread  # noqa: E402,F401 - autouse: one torch thread for the module
+
 BASE = dict(vocab_size=96, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, dense_hidden=48, num_experts=4,
             expert_hidden=16, init_std=0.08, rope_theta=500.0)
 SHAPES = {  # one per stock class
@@ -40,12 +45,6 @@ SHAPES = {  # one per stock class
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_model(**overrides) -> Transformer:

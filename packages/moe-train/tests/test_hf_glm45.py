@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import warnings
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -24,6 +26,9 @@ from moe_train.config import Config, ConfigError, ModelConfig, RouterConfig, val
 from moe_train.hf_bridge import export_hf, import_hf
 from moe_train.model import Transformer
 
+sys.path.insert(0, str(Path(__file__).parent))
+from hf_logits_helpers import hf_logits, our_logits, one_thread  # noqa: E402,F401 - one_thread: autouse
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB, D, LAYERS, EXPERTS = 96, 32, 3, 4
@@ -34,12 +39,6 @@ HF_SIZES = dict(vocab_size=VOCAB, hidden_size=D, intermediate_size=48, moe_inter
                 rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 1.0})
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def mtp_tensors(state: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
@@ -77,17 +76,8 @@ def glm45_folder(folder, routed_scaling_factor: float = 2.5) -> list[str]:
     return sorted(mtp)
 
 
-def hf_logits(folder, tokens: torch.Tensor) -> torch.Tensor:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    with torch.no_grad():
-        return hf(tokens).logits
 
 
-def our_logits(model_cfg: ModelConfig, state: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
-    model = Transformer(model_cfg)
-    model.load_state_dict(state, strict=True)
-    with torch.no_grad():
-        return model.eval()(tokens)[0]
 
 
 def tokens() -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
+from hf_logits_helpers import folder_tensors, hf_logits, our_logits, one_thread  # noqa: E402,F401 - one_thread: autouse
 import layout_resume_worker as w  # noqa: E402
 from test_activation_checkpointing import assert_close, one_step  # noqa: E402
 from test_check_same_model import checkpoint_of  # noqa: E402
@@ -50,12 +51,6 @@ QWEN2_SIZES = dict(vocab_size=VOCAB, hidden_size=D, intermediate_size=48, moe_in
                    initializer_range=0.1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def model_config(**fields) -> ModelConfig:
@@ -98,25 +93,14 @@ def native(tmp_path_factory) -> Path:
     return folder
 
 
-def hf_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    with torch.no_grad():
-        return hf(ids).logits
 
 
-def our_logits(model_cfg: ModelConfig, state: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
-    model = Transformer(model_cfg)
-    model.load_state_dict(state, strict=True)
-    with torch.no_grad():
-        return model.eval()(ids)[0]
 
 
 def token_ids() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
 
 
-def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
 
 
 def test_a_qwen2_moe_folder_with_a_learned_gate_imports_computing_transformers_logits(native, tmp_path):
