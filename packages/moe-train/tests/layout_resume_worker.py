@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -10,6 +11,12 @@ import torch.multiprocessing as mp
 
 import test_parallel_harness as h
 from moe_train.config import Config
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """step -> loss of a run's metrics.jsonl (the records that have a loss)."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
 
 
 def seed_run_dir(src: Path, dst: Path, step: int = 3) -> None:

@@ -9,7 +9,6 @@ Before: ModelConfig had neither field (every test here fails building its config
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -126,9 +125,6 @@ def run_config(root: Path, data: Path, name: str, steps: int, dp: int = 1, ep: i
     return cfg
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +154,7 @@ def runs(tmp_path_factory):
 
 def test_a_run_with_biases_and_half_rotary_trains_and_resumes_bit_identically(runs):
     root, _ = runs
-    assert losses(root / "split") == losses(root / "one")
+    assert w.losses(root / "split") == w.losses(root / "one")
     path = find_latest(root / "one" / "checkpoints")
     assert load_metadata(path)["config"]["model"]["attention_bias"] is True
     assert load_metadata(path)["config"]["model"]["rotary_fraction"] == 0.5
@@ -179,11 +175,11 @@ def test_a_checkpoint_with_biases_resumes_on_another_layout_like_an_unbroken_run
     """The biases are sharded by the distributed optimizer (DP2 x EP2) and saved as global tensors: a checkpoint
     written on one layout resumes on the other and continues as the unbroken run there does."""
     root, _ = runs
-    got, want = losses(root / resumed), losses(root / unbroken)
+    got, want = w.losses(root / resumed), w.losses(root / unbroken)
     assert sorted(got) == [4, 5, 6], got
     for step in (4, 5, 6):
         assert got[step] == pytest.approx(want[step], rel=1e-5), (step, got[step], want[step])
-    assert losses(root / "dp2ep2")[6] == pytest.approx(losses(root / "one")[6], rel=1e-5)
+    assert w.losses(root / "dp2ep2")[6] == pytest.approx(w.losses(root / "one")[6], rel=1e-5)
     path = find_latest(root / "dp2ep2" / "checkpoints")  # written by two ranks: the masters are global, whole
     ckpt = open_checkpoint(path)
     try:
@@ -221,4 +217,4 @@ def test_the_trainer_refuses_to_resume_a_run_with_other_attention(runs, tmp_path
     cfg.model.rotary_fraction = 1.0
     with pytest.raises(ConfigError, match=r"model\.rotary_fraction: checkpoint 0\.5, this run 1\.0"):
         Trainer(cfg).train()
-    assert losses(root / "one")  # the refused run wrote nothing into the run it was pointed at
+    assert w.losses(root / "one")  # the refused run wrote nothing into the run it was pointed at

@@ -332,9 +332,6 @@ def run_config(root: Path, data: Path, name: str, steps: int, dp: int = 1, ep: i
     return cfg
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -353,9 +350,9 @@ def runs(tmp_path_factory):
 
 
 def test_a_gated_run_checkpoints_resumes_bit_identically_and_matches_the_distributed_optimizer(runs):
-    assert losses(runs / "split") == losses(runs / "one")
+    assert w.losses(runs / "split") == w.losses(runs / "one")
     # DP2 x EP2 sums gradients in another order: this config's ungated model drifts up to 3e-5 by step 6 too
-    one, dist = losses(runs / "one"), losses(runs / "dp2ep2")
+    one, dist = w.losses(runs / "one"), w.losses(runs / "dp2ep2")
     assert sorted(dist) == list(range(1, 7)) and dist[1] == pytest.approx(one[1], rel=1e-6)
     assert all(dist[step] == pytest.approx(one[step], rel=5e-4) for step in one)
     for run in ("one", "dp2ep2"):

@@ -7,7 +7,6 @@ steps 4..6 within 1e-5 relative. Same-layout resume is bit-identical (test_train
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -39,9 +38,6 @@ def layout_config(root: Path, data: Path, name: str, dp: int, ep: int, steps: in
     return cfg
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -76,14 +72,14 @@ def runs(tmp_path_factory):
     ("one_to_dp2", "dp2"), ("dp2_to_one", "one"), ("dp2_to_dp2ep2", "dp2ep2"), ("dp2ep2_to_dp4", "dp4"),
 ])
 def test_resume_on_another_layout_matches_an_unbroken_run(runs, resumed, unbroken):
-    got, want = losses(runs / resumed), losses(runs / unbroken)
+    got, want = w.losses(runs / resumed), w.losses(runs / unbroken)
     assert sorted(got) == [4, 5, 6], got  # the resumed run starts after the checkpoint's step
     for step in (4, 5, 6):
         assert abs(got[step] - want[step]) <= RTOL * abs(want[step]), (step, got[step], want[step])
 
 
 def test_unbroken_layouts_agree_with_each_other(runs):
-    ref = losses(runs / "one")
+    ref = w.losses(runs / "one")
     for name in ("dp2", "dp2ep2", "dp4"):
-        other = losses(runs / name)
+        other = w.losses(runs / name)
         assert all(abs(other[s] - ref[s]) <= RTOL * abs(ref[s]) for s in range(1, 7)), (name, other, ref)
