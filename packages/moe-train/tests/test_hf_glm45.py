@@ -53,18 +53,20 @@ def mtp_tensors(state: dict[str, torch.Tensor], layer: int) -> dict[str, torch.T
     return out
 
 
-def glm45_folder(folder, routed_scaling_factor: float = 2.5) -> list[str]:
+def glm45_folder(folder, routed_scaling_factor: float = 2.5, **config) -> list[str]:
     """A tiny GLM-4-MoE written by transformers' own save_pretrained, with GLM-4.5's routed_scaling_factor and
-    num_nextn_predict_layers=1; transformers saves no MTP weights, so they are added to model.safetensors by hand.
-    Returns the MTP tensor names."""
-    cfg = transformers.Glm4MoeConfig(**HF_SIZES, routed_scaling_factor=routed_scaling_factor,
+    num_nextn_predict_layers=1 (config: more Glm4MoeConfig keys); transformers saves no MTP weights, so they are
+    added to model.safetensors by hand. Returns the MTP tensor names."""
+    cfg = transformers.Glm4MoeConfig(**{**HF_SIZES, **config}, routed_scaling_factor=routed_scaling_factor,
                                      num_nextn_predict_layers=1)
     torch.manual_seed(0)
     model = transformers.Glm4MoeForCausalLM(cfg)
-    with torch.no_grad():  # non-trivial norms and selection biases, so a wrong mapping shows in the logits
+    with torch.no_grad():  # non-trivial norms, biases and selection biases, so a wrong mapping shows in the logits
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * torch.randn_like(p))
         for layer in model.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.copy_(0.1 * torch.randn(EXPERTS))
     model.save_pretrained(folder)
@@ -214,3 +216,38 @@ def test_an_import_over_a_base_config_takes_the_folders_routed_scaling(tmp_path)
     export_hf_folder(dataclasses.asdict(model.cfg), model.state_dict(), tmp_path / "qwen", dtype="fp32")
     cfg, _ = import_hf(tmp_path / "qwen", base=base)
     assert cfg.model.router.routed_scaling_factor == 1.0
+
+
+def test_a_glm45_folder_with_every_feature_at_once_imports_trains_and_exports(tmp_path):
+    """GLM-4.5's whole attention and routing at once (q/k/v biases, half rotary, QK-norm, routed scaling 2.5,
+    an MTP layer): the features were added one at a time, so here they meet. The import computes transformers'
+    logits, a training step moves the biases, and the trained model exports to a folder transformers computes
+    as ours does."""
+    folder = tmp_path / "glm45"
+    rope = {**HF_SIZES["rope_parameters"], "partial_rotary_factor": 0.5}
+    glm45_folder(folder, attention_bias=True, rope_parameters=rope)
+    assert json.loads((folder / "config.json").read_text())["attention_bias"] is True
+    with pytest.warns(UserWarning, match="multi-token-prediction"):
+        cfg, state = import_hf(folder, tmp_path / "ours")
+    m = cfg.model
+    assert (m.attention_bias, m.rotary_fraction, m.qk_norm, m.router.routed_scaling_factor) == (True, 0.5, True, 2.5)
+    ids = tokens()
+    assert (our_logits(m, state, ids) - hf_logits(folder, ids)).abs().max().item() < 1e-4
+
+    model = Transformer(m)
+    model.load_state_dict(state, strict=True)
+    logits, aux = model(ids)
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)) + aux
+    loss.backward()
+    biases = {n: p for n, p in model.named_parameters() if n.endswith(".bias")}
+    assert biases and all(p.grad is not None and p.grad.abs().sum() > 0 for p in biases.values())
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.05 * p.grad
+    trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert not torch.equal(trained[next(iter(biases))], state[next(iter(biases))])
+
+    export_hf_folder(dataclasses.asdict(m), trained, tmp_path / "trained", dtype="fp32")
+    again = json.loads((tmp_path / "trained" / "config.json").read_text())
+    assert (again["attention_bias"], again["routed_scaling_factor"], again["num_nextn_predict_layers"]) == (True, 2.5, 0)
+    assert (hf_logits(tmp_path / "trained", ids) - our_logits(m, trained, ids)).abs().max().item() < 1e-4
