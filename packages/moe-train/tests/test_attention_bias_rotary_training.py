@@ -22,7 +22,7 @@ from test_check_same_model import checkpoint_of  # noqa: E402
 
 from moe_ckpt import LoadRequest, find_latest, load_metadata, open_checkpoint  # noqa: E402
 from moe_train.config import (  # noqa: E402
-    Config, ConfigError, DataConfig, ModelConfig, RouterConfig, TrainConfig, validate,
+    Config, ConfigError, ModelConfig, RouterConfig, validate,
 )
 from moe_train.config_io import build_config  # noqa: E402
 from moe_train.model import Transformer, count_params, flops_per_token  # noqa: E402
@@ -112,17 +112,9 @@ def test_partial_rotary_allows_an_odd_head_dim_and_the_fields_come_from_override
 
 
 def run_config(root: Path, data: Path, name: str, steps: int, dp: int = 1, ep: int = 1) -> Config:
-    cfg = Config(
-        model=model_config(vocab_size=512, num_layers=2, expert_hidden=16,
-                           router=RouterConfig(top_k=2, gating="sigmoid", expert_bias=True, lb_loss_scope="global")),
-        data=DataConfig(path=str(data), seq_len=16),
-        train=TrainConfig(steps=steps, micro_batch_size=8 // dp, grad_accum=2, warmup_steps=2, eval_interval=0,
-                          log_interval=1, save_interval=3, run_dir=str(root / name), progress=False, device="cpu",
-                          threads=1),
-        preset="test",
-    )
-    cfg.parallel.dp, cfg.parallel.ep = dp, ep
-    return cfg
+    model = model_config(vocab_size=512, num_layers=2, expert_hidden=16,
+                         router=RouterConfig(top_k=2, gating="sigmoid", expert_bias=True, lb_loss_scope="global"))
+    return w.run_config(model, data, root / name, steps, dp, ep)
 
 
 

@@ -31,7 +31,7 @@ from test_check_same_model import checkpoint_of  # noqa: E402
 
 from moe_ckpt import LoadRequest, find_latest, load_metadata, open_checkpoint  # noqa: E402
 from moe_ckpt.hf import HFConversionError, export_hf_folder, from_hf_config  # noqa: E402
-from moe_train.config import Config, ConfigError, DataConfig, ModelConfig, RouterConfig, TrainConfig, validate  # noqa: E402
+from moe_train.config import Config, ConfigError, ModelConfig, RouterConfig, validate  # noqa: E402
 from moe_train.hf_bridge import export_hf, import_hf  # noqa: E402
 from moe_train.model import MoELayer, Transformer, count_params, flops_per_token  # noqa: E402
 from moe_train.trainer.checkpoint import check_same_model  # noqa: E402
@@ -320,16 +320,8 @@ def test_a_checkpoint_that_predates_the_gate_is_compared_with_its_default(tmp_pa
 
 
 def run_config(root: Path, data: Path, name: str, steps: int, dp: int = 1, ep: int = 1) -> Config:
-    cfg = Config(
-        model=model_config(vocab_size=512, num_layers=2, dense_layers=[], router=RouterConfig(top_k=2)),
-        data=DataConfig(path=str(data), seq_len=16),
-        train=TrainConfig(steps=steps, micro_batch_size=8 // dp, grad_accum=2, warmup_steps=2, eval_interval=0,
-                          log_interval=1, save_interval=3, run_dir=str(root / name), progress=False, device="cpu",
-                          threads=1),
-        preset="test",
-    )
-    cfg.parallel.dp, cfg.parallel.ep = dp, ep
-    return cfg
+    model = model_config(vocab_size=512, num_layers=2, dense_layers=[], router=RouterConfig(top_k=2))
+    return w.run_config(model, data, root / name, steps, dp, ep)
 
 
 

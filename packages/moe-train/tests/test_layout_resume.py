@@ -16,26 +16,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import layout_resume_worker as w  # noqa: E402
 
-from moe_train.config import Config, DataConfig, ModelConfig, RouterConfig, TrainConfig  # noqa: E402
+from moe_train.config import Config, ModelConfig, RouterConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
-GLOBAL_BATCH = 8
 RTOL = 1e-5
 
 
 def layout_config(root: Path, data: Path, name: str, dp: int, ep: int, steps: int) -> Config:
-    cfg = Config(
-        model=ModelConfig(vocab_size=512, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, qk_norm=True,
-                          dense_hidden=64, dense_layers=[0], num_experts=4, expert_hidden=16, shared_expert_hidden=16,
-                          router=RouterConfig(top_k=2, expert_bias=True, lb_loss_scope="global")),
-        data=DataConfig(path=str(data), seq_len=16),
-        train=TrainConfig(steps=steps, micro_batch_size=GLOBAL_BATCH // dp, grad_accum=2, warmup_steps=2,
-                          eval_interval=0, log_interval=1, save_interval=3, run_dir=str(root / name),
-                          progress=False, device="cpu", threads=1),
-        preset="test",
-    )
-    cfg.parallel.dp, cfg.parallel.ep = dp, ep
-    return cfg
+    model = ModelConfig(vocab_size=512, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, qk_norm=True,
+                        dense_hidden=64, dense_layers=[0], num_experts=4, expert_hidden=16, shared_expert_hidden=16,
+                        router=RouterConfig(top_k=2, expert_bias=True, lb_loss_scope="global"))
+    return w.run_config(model, data, root / name, steps, dp, ep)
 
 
 
