@@ -10,6 +10,9 @@ warpgroups work on one 128x256 tile and hand their accumulators to a store warp 
 
     PYTHONPATH=packages/moe-kernels/src python3 packages/moe-kernels/bench/explore_gluon_wgrad_coop.py [out.json]
 
+Variants with a lead start the second consumer warpgroup that many row chunks behind the first,
+so one's epilogue overlaps the other's MMAs (results/h200_gluon_wgrad_lead.json).
+
 Checks every variant against grouped_mm on odd counts, empty experts and NaN rows of neighbours
 before timing; then (a)/(b) E=128/8 against grouped_mm, the package's tuned wgrad and the
 ping-pong kernel, two interleaved rounds.
@@ -24,14 +27,18 @@ from gluon_pingpong_wgrad import pingpong_wgrad_launch
 from moe_kernels.triton.gluon_wgrad import gluon_wgrad_launch
 
 
-def coop_wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, E: int, chunk: int, stages: int):
+def coop_wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, E: int, chunk: int, stages: int, lead: int = 0):
     out = torch.empty(E, a.shape[1], b.shape[1], dtype=a.dtype, device=a.device)
     gluon_wgrad_launch(a, b, offsets, out, torch.cuda.get_device_properties(0).multi_processor_count,
-                       chunk_rows=chunk, stages=stages)
+                       chunk_rows=chunk, stages=stages, lead_chunks=lead)
     return out
 
 
-VARIANTS = {"coop-r64s3": (64, 3), "coop-r32s6": (32, 6), "coop-r32s5": (32, 5), "coop-r16s12": (16, 12)}
+# (rows per stage, stages, chunks the second consumer starts behind the first). Until 0.6.2 the
+# consumers ran in step (lead 0); results/h200_gluon_wgrad_coop_pkg.json also has 32x5 and 16x12.
+VARIANTS = {"coop-r64s3": (64, 3, 0), "coop-r64s3-lead1": (64, 3, 1), "coop-r32s6": (32, 6, 0),
+            "coop-r32s6-lead1": (32, 6, 1), "coop-r32s6-lead2": (32, 6, 2), "coop-r32s6-lead3": (32, 6, 3),
+            "coop-r16s12-lead4": (16, 12, 4)}
 
 
 def _check(variant):
@@ -80,8 +87,8 @@ def main():
                        "package_tuned": lambda: gg.grouped_wgrad_launch(a, b, offs, E),
                        "gluon_pingpong": pingpong}
             errors = {}
-            for v, (chunk, stages) in VARIANTS.items():
-                fn = lambda chunk=chunk, stages=stages: coop_wgrad(a, b, offs, E, chunk, stages)  # noqa: E731
+            for v, (chunk, stages, lead) in VARIANTS.items():
+                fn = lambda chunk=chunk, stages=stages, lead=lead: coop_wgrad(a, b, offs, E, chunk, stages, lead)  # noqa: E731
                 errors[v] = ((fn().float() - ref).norm() / ref.norm()).item()
                 methods[v] = fn
             methods["package_tuned"]()
