@@ -10,8 +10,8 @@ warpgroups work on one 128x256 tile and hand their accumulators to a store warp 
 
     PYTHONPATH=packages/moe-kernels/src python3 packages/moe-kernels/bench/explore_gluon_wgrad_coop.py [out.json]
 
-Variants with a lead start the second consumer warpgroup that many row chunks behind the first,
-so one's epilogue overlaps the other's MMAs (results/h200_gluon_wgrad_lead.json).
+Since 0.6.2 it also runs the shared-output-buffer experiment (explore_gluon_wgrad_shared_out.py);
+results/h200_gluon_wgrad_coop_pkg.json has the package kernel's 32x5 and 16x12 too.
 
 Checks every variant against grouped_mm on odd counts, empty experts and NaN rows of neighbours
 before timing; then (a)/(b) E=128/8 against grouped_mm, the package's tuned wgrad and the
@@ -24,21 +24,25 @@ import torch
 from explore_common import interleaved_tflops, routed_problems, write_report
 from gluon_pingpong_wgrad import pingpong_wgrad_launch
 
+from explore_gluon_wgrad_shared_out import shared_out_wgrad_launch
+
 from moe_kernels.triton.gluon_wgrad import gluon_wgrad_launch
 
+# name -> (launch, rows per stage, stages, lead): the package kernel ("coop-", one output buffer per
+# consumer) and the shared-output-buffer experiment ("shared-", explore_gluon_wgrad_shared_out.py)
+VARIANTS = {"coop-r64s3": (gluon_wgrad_launch, 64, 3, None), "coop-r32s6": (gluon_wgrad_launch, 32, 6, None),
+            "shared-r32s8": (shared_out_wgrad_launch, 32, 8, 0), "shared-r32s8-lead2": (shared_out_wgrad_launch, 32, 8, 2),
+            "shared-r32s7": (shared_out_wgrad_launch, 32, 7, 0), "shared-r64s4": (shared_out_wgrad_launch, 64, 4, 0),
+            "shared-r64s4-lead1": (shared_out_wgrad_launch, 64, 4, 1), "shared-r16s16": (shared_out_wgrad_launch, 16, 16, 0)}
 
-def coop_wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, E: int, chunk: int, stages: int, lead: int = 0):
+
+def coop_wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, E: int, variant: str):
+    launch, chunk, stages, lead = VARIANTS[variant]
     out = torch.empty(E, a.shape[1], b.shape[1], dtype=a.dtype, device=a.device)
-    gluon_wgrad_launch(a, b, offsets, out, torch.cuda.get_device_properties(0).multi_processor_count,
-                       chunk_rows=chunk, stages=stages, lead_chunks=lead)
+    extra = {} if lead is None else {"lead_chunks": lead}
+    launch(a, b, offsets, out, torch.cuda.get_device_properties(0).multi_processor_count,
+           chunk_rows=chunk, stages=stages, **extra)
     return out
-
-
-# (rows per stage, stages, chunks the second consumer starts behind the first). Until 0.6.2 the
-# consumers ran in step (lead 0); results/h200_gluon_wgrad_coop_pkg.json also has 32x5 and 16x12.
-VARIANTS = {"coop-r64s3": (64, 3, 0), "coop-r64s3-lead1": (64, 3, 1), "coop-r32s6": (32, 6, 0),
-            "coop-r32s6-lead1": (32, 6, 1), "coop-r32s6-lead2": (32, 6, 2), "coop-r32s6-lead3": (32, 6, 3),
-            "coop-r16s12-lead4": (16, 12, 4)}
 
 
 def _check(variant):
@@ -54,7 +58,7 @@ def _check(variant):
     b[int(ends[2]):int(ends[3])] = float("nan")
     a[int(ends[-1]):] = float("nan")
     b[int(ends[-1]):] = float("nan")
-    out = coop_wgrad(a, b, offs, E, *VARIANTS[variant]).float()
+    out = coop_wgrad(a, b, offs, E, variant).float()
     ref = torch._grouped_mm(a.nan_to_num(0.0).t(), b.nan_to_num(0.0), offs=offs).float()
     for e in (0, 1, 2, 4, 5, 6, 7):
         assert torch.isfinite(out[e]).all(), (variant, e)
@@ -87,8 +91,8 @@ def main():
                        "package_tuned": lambda: gg.grouped_wgrad_launch(a, b, offs, E),
                        "gluon_pingpong": pingpong}
             errors = {}
-            for v, (chunk, stages, lead) in VARIANTS.items():
-                fn = lambda chunk=chunk, stages=stages, lead=lead: coop_wgrad(a, b, offs, E, chunk, stages, lead)  # noqa: E731
+            for v in VARIANTS:
+                fn = lambda v=v: coop_wgrad(a, b, offs, E, v)  # noqa: E731
                 errors[v] = ((fn().float() - ref).norm() / ref.norm()).item()
                 methods[v] = fn
             methods["package_tuned"]()

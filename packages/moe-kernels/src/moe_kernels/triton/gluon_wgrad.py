@@ -116,8 +116,8 @@ if _HAVE_GLUON:
                 count += 1
 
     @gluon.jit
-    def _consumer(offsets_ptr, a_bufs, b_bufs, ready, empty, c_bufs, acc_ready, acc_free, lead_bar, total, num_k,
-                  num_n, WHICH: gl.constexpr, LEAD: gl.constexpr):
+    def _consumer(offsets_ptr, a_bufs, b_bufs, ready, empty, c_bufs, acc_ready, acc_free, total, num_k, num_n,
+                  WHICH: gl.constexpr):
         CHUNK: gl.constexpr = a_bufs.type.shape[1]
         HALF_K: gl.constexpr = a_bufs.type.shape[2]
         TN: gl.constexpr = b_bufs.type.shape[2]
@@ -128,10 +128,6 @@ if _HAVE_GLUON:
         c_buf = c_bufs.index(WHICH)
         count = 0
         tiles = 0
-        if WHICH == 1:
-            if LEAD > 0:
-                # start LEAD chunks behind consumer 0 (see _gluon_wgrad_kernel)
-                mbarrier.wait(lead_bar, 0)
         for t in range(gl.program_id(0), total, gl.num_programs(0)):
             e, kt, nt, start, end = _tile_coords(t, num_k, num_n, offsets_ptr)
             n_chunks = (end - start + CHUNK - 1) // CHUNK
@@ -154,10 +150,6 @@ if _HAVE_GLUON:
                 # the MMA of the previous chunk has finished: this consumer is done with its stage
                 mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=i > 0)
                 count += 1
-                if WHICH == 0:
-                    if LEAD > 0:
-                        if count == LEAD:
-                            mbarrier.arrive(lead_bar)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=n_chunks > 0)
             # hand the half tile to the storer and go on; wait only until it has stored the last one
@@ -167,10 +159,6 @@ if _HAVE_GLUON:
             gl.thread_barrier()
             mbarrier.arrive(acc_ready.index(WHICH))
             tiles += 1
-        if WHICH == 0:
-            if LEAD > 0:
-                if count < LEAD:  # fewer chunks in this program than the lead: release consumer 1 now
-                    mbarrier.arrive(lead_bar)
 
     @gluon.jit
     def _storer(c_desc, c_bufs, acc_ready, acc_free, total, num_k, num_n):
@@ -192,11 +180,7 @@ if _HAVE_GLUON:
             tiles += 1
 
     @gluon.jit
-    def _gluon_wgrad_kernel(a_desc, b_desc, c_desc, offsets_ptr, total, num_k, num_n, STAGES: gl.constexpr,
-                            LEAD: gl.constexpr):
-        # LEAD > 0: consumer 1 starts LEAD row chunks after consumer 0 and, since both take the same
-        # chunks, stays that far behind; each consumer's epilogue then overlaps the other's MMAs
-        # instead of both draining the tensor pipe at once.
+    def _gluon_wgrad_kernel(a_desc, b_desc, c_desc, offsets_ptr, total, num_k, num_n, STAGES: gl.constexpr):
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
         c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
@@ -204,8 +188,6 @@ if _HAVE_GLUON:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         acc_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         acc_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        lead_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(lead_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both consumers release every stage
@@ -213,10 +195,10 @@ if _HAVE_GLUON:
             mbarrier.init(acc_ready.index(i), count=1)
             mbarrier.init(acc_free.index(i), count=1)
         gl.warp_specialize([
-            (_consumer, (offsets_ptr, a_bufs, b_bufs, ready, empty, c_bufs, acc_ready, acc_free, lead_bar, total,
-                         num_k, num_n, gl.constexpr(0), LEAD)),
-            (_consumer, (offsets_ptr, a_bufs, b_bufs, ready, empty, c_bufs, acc_ready, acc_free, lead_bar, total,
-                         num_k, num_n, gl.constexpr(1), LEAD)),
+            (_consumer, (offsets_ptr, a_bufs, b_bufs, ready, empty, c_bufs, acc_ready, acc_free, total, num_k, num_n,
+                         gl.constexpr(0))),
+            (_consumer, (offsets_ptr, a_bufs, b_bufs, ready, empty, c_bufs, acc_ready, acc_free, total, num_k, num_n,
+                         gl.constexpr(1))),
             (_loader, (a_desc, b_desc, offsets_ptr, a_bufs, b_bufs, ready, empty, total, num_k, num_n)),
             (_storer, (c_desc, c_bufs, acc_ready, acc_free, total, num_k, num_n)),
         ], [4, 1, 1], [208, 40, 40])
@@ -227,16 +209,12 @@ def _layout(block, dtype):
 
 
 def gluon_wgrad_launch(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor, num_sms: int, *,
-                       chunk_rows: int = 32, stages: int = 6, lead_chunks: int = 0) -> None:
+                       chunk_rows: int = 32, stages: int = 6) -> None:
     """out[e] = a[rows of e]^T @ b[rows of e], written in place; requires gluon_wgrad_supports(...).
-    chunk_rows / stages: rows reduced per pipeline stage and ring depth; lead_chunks: how many row
-    chunks the second consumer warpgroup starts behind the first (the tuner tries a few)."""
+    chunk_rows / stages: rows reduced per pipeline stage and ring depth (the tuner tries a few)."""
     if chunk_rows not in (16, 32, 64, 128) or stages < 2:
         raise ValueError(f"chunk_rows={chunk_rows}, stages={stages}: expected chunk_rows one of 16, 32, 64, 128 "
                          f"and stages >= 2")
-    if not 0 <= lead_chunks < stages:
-        raise ValueError(f"lead_chunks={lead_chunks}: expected 0 <= lead_chunks < stages={stages} (the consumers "
-                         f"share the ring of stages, so neither can run a whole ring ahead)")
     if shared_bytes(chunk_rows, stages) > SHARED_BYTES:
         raise ValueError(f"chunk_rows={chunk_rows}, stages={stages}: {shared_bytes(chunk_rows, stages)} bytes of "
                          f"shared memory, over the {SHARED_BYTES} an sm_90 program has")
@@ -251,5 +229,5 @@ def gluon_wgrad_launch(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, 
     total = E * num_k * num_n
     grid = (max(1, min(num_sms, total)),)
     # 12 warps (two consumer warpgroups; the loader's and storer's warps) share the SM's 64K registers
-    _gluon_wgrad_kernel[grid](a_desc, b_desc, c_desc, offsets, total, num_k, num_n, STAGES=stages,
-                              LEAD=lead_chunks, num_warps=4, maxnreg=168)
+    _gluon_wgrad_kernel[grid](a_desc, b_desc, c_desc, offsets, total, num_k, num_n, STAGES=stages, num_warps=4,
+                              maxnreg=168)
