@@ -14,11 +14,11 @@ Failing together: a collective that one rank never enters waits for the process-
 (30 minutes by default), and rows of another width or dtype than the receiver expects abort the
 process inside gloo (SIGABRT) or corrupt memory under NCCL. So every rank checks its own inputs
 *before* the first collective and sends, beside its counts, a small header (a status, the payload's
-values per row and dtype, d); after that one exchange every EP rank knows whether every other
-rank can go on, and all of them raise the same kind of ValueError, before any row moves, when one
-cannot (its own rank the detailed message, the others one naming that rank and quoting its message,
-gathered on that path only). Combine has no exchange before its rows to carry such a header, so it
-gathers a few int64 per rank first (see combine).
+values per row and dtype, d, whether its rows need gradients); after that one exchange every EP rank
+knows whether every other rank can go on, and all of them raise the same kind of ValueError, before
+any row moves, when one cannot (its own rank the detailed message, the others one naming that rank
+and quoting its message, gathered on that path only). Combine has no exchange before its rows to
+carry such a header, so it gathers a few int64 per rank first (see combine).
 
 Capacity (optional): with capacity_factor c > 0 a rank computes at most ceil(c * T * k) received
 rows; rows past the cap in local-expert order (higher local experts, then higher source ranks,
@@ -48,8 +48,8 @@ from moe_kernels.permute import check_rows, check_route_map_device, check_router
 from moe_kernels.route_map import RouteMap, positive_int
 
 # Header columns sent to every EP peer after the [E_local] counts (int64).
-_STATUS, _ROW_NUMEL, _DTYPE, _WIDTH = range(4)
-_HEADER = 4
+_STATUS, _ROW_NUMEL, _DTYPE, _WIDTH, _GRAD = range(5)
+_HEADER = 5
 _BAD_INPUT, _BAD_COUNTS = 1, 2  # status bits
 
 
@@ -122,7 +122,8 @@ class AllToAllDispatcher:
         """x: [T, d] -> rows [N_kept, d] for the local experts, offsets [E_local] int32.
 
         Call on every rank of the EP group. Bad input on any rank (shapes, counts that are not
-        integers or do not sum to T*k, a payload of another width or dtype than the other ranks')
+        integers or do not sum to T*k, a payload of another width or dtype than the other ranks', or
+        one that needs gradients where theirs does not: the backward exchange would run on some ranks only)
         raises on every rank after one small exchange, before any row moves: the rank at fault its
         own error, the others a ValueError naming that rank and quoting its error.
         """
@@ -198,6 +199,7 @@ class AllToAllDispatcher:
         send[:, e_local + _ROW_NUMEL] = math.prod(payload.shape[1:])
         send[:, e_local + _DTYPE] = dtype_code(payload.dtype)
         send[:, e_local + _WIDTH] = x.shape[1]
+        send[:, e_local + _GRAD] = _needs_grad(payload)
         return send
 
     def _refuse_together(
@@ -222,6 +224,8 @@ class AllToAllDispatcher:
                 f"EP ranks disagree on the rows they dispatch ({each}); every EP rank must send rows of the "
                 "same width and dtype (raised on every EP rank before any row moved)"
             )
+        require_agreement([_grad_text(row[e_local + _GRAD]) for row in table], "whether the rows they dispatch need "
+                          "gradients", _SAME_GRAD.format(op="dispatch", what="x"))
 
     def combine(self, expert_out: torch.Tensor, result: DispatchResult, weights: torch.Tensor) -> torch.Tensor:
         """expert_out: [N_kept, d] local-expert order; weights: [T, k] -> [T, d].
@@ -229,9 +233,10 @@ class AllToAllDispatcher:
         Call on every rank of the EP group, each with the result of the same dispatch call. Bad input on
         any rank (a result this dispatcher's dispatch did not hand out, expert rows that are not
         [N_kept, d] floats on the rows' device, router weights that are not [T, k] floats there, rows
-        of another width or dtype, or of another dispatch call, than the other ranks') raises on every
-        rank before any row moves: the rank at fault its own error, the others a ValueError naming that
-        rank and quoting it. Values are not checked: NaN weights give NaN rows, as they do locally.
+        of another width or dtype, or of another dispatch call, or needing gradients where the other ranks'
+        do not) raises on every rank before any row moves: the rank at fault its own error, the others a
+        ValueError naming that rank and quoting it. Values are not checked: NaN weights give NaN rows, as
+        they do locally.
         """
         problem: Exception | None = None
         try:
@@ -239,19 +244,22 @@ class AllToAllDispatcher:
             _check_combine_inputs(expert_out, ctx, weights)
         except Exception as err:  # noqa: BLE001 - raised below, once every EP rank knows
             problem = err
-        # What this check costs a good call: one all_gather of 4 int64 per EP rank and one host read of
-        # the [ep, 4] result (a collective's latency; ep=1 skips both). On a GPU that read also waits for
+        # What this check costs a good call: one all_gather of 5 int64 per EP rank and one host read of
+        # the [ep, 5] result (a collective's latency; ep=1 skips both). On a GPU that read also waits for
         # the work queued before combine (the expert FFN), which the row exchange waits for anyway, but
         # the host stops running ahead there, as it does at dispatch's count read. No exchange that
         # already happens can carry the verdict: combine's only one is the row exchange, whose sizes
         # are what is being checked.
-        mine = [0, 0, 0] if problem else [expert_out.shape[1], dtype_code(expert_out.dtype), ctx.dispatch_index]
+        mine = [0, 0, 0, 0] if problem else [expert_out.shape[1], dtype_code(expert_out.dtype), ctx.dispatch_index,
+                                             _needs_grad(expert_out)]
         on = getattr(result, "offsets", expert_out)  # the header travels on dispatch's device
         table = gather_or_raise("combine", problem, mine, self.group, getattr(on, "device", torch.device("cpu")))
-        require_agreement([f"dispatch #{i}" for _, _, i in table], "the dispatch call they combine",
+        require_agreement([f"dispatch #{i}" for _, _, i, _ in table], "the dispatch call they combine",
                           "every EP rank must pass the result of the same dispatch of this dispatcher")
-        require_agreement([f"d={w} {dtype_name(c)}" for w, c, _ in table], "the expert rows they send back",
+        require_agreement([f"d={w} {dtype_name(c)}" for w, c, _, _ in table], "the expert rows they send back",
                           "every EP rank must send rows of the same width and dtype")
+        require_agreement([_grad_text(g) for *_, g in table], "whether the expert rows they send back need gradients",
+                          _SAME_GRAD.format(op="combine", what="expert_out"))
 
         if ctx.num_kept < ctx.num_recv:  # dropped rows come back as zeros
             pad = expert_out.new_zeros((ctx.num_recv - ctx.num_kept, *expert_out.shape[1:]))
@@ -274,6 +282,22 @@ class AllToAllDispatcher:
                 f"ep={other.ep_size}): pass the DispatchResult of this dispatcher's dispatch"
             )
         return ctx
+
+
+# A row exchange runs its reverse in backward only where its input needs gradients: a rank whose rows do not
+# (x without requires_grad, e.g. a fresh empty batch) skips it, and its peers' backward exchange pairs with
+# its next collective (wrong rows, or a gloo abort).
+_SAME_GRAD = ("{op}'s backward is a row exchange that every EP rank must join, so {what} must require grad on every "
+              "EP rank or on none, a rank with no rows too")
+
+
+def _needs_grad(rows: torch.Tensor) -> int:
+    """1 when a row exchange of `rows` records a backward (which then exchanges on every rank), else 0."""
+    return int(torch.is_grad_enabled() and rows.requires_grad)
+
+
+def _grad_text(flag: int) -> str:
+    return "rows need gradients" if flag else "rows need no gradients"
 
 
 def _check_combine_inputs(expert_out: torch.Tensor, ctx: AllToAllContext, weights: torch.Tensor) -> None:

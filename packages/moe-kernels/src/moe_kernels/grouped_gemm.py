@@ -39,8 +39,9 @@ def checked_offsets(offsets: torch.Tensor, num_rows: int, device: torch.device, 
         raise ValueError(f"there are {num_rows} rows but no experts (E=0): nothing would compute them")
     if offsets.device.type == "cpu":
         _check_ends(offsets.tolist(), num_rows)
-    # the kernels read the offsets as a flat array (a strided view would give wrong experts)
-    return offsets.to(torch.int32).contiguous()
+    # the kernels read the offsets as a flat array (a strided view would give wrong experts), and
+    # grouped_mm wants stride 1 even for E = 1, where .contiguous() keeps a view's stride
+    return dense_rows(offsets.to(torch.int32))
 
 
 def _check_operands(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

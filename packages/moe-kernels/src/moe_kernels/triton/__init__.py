@@ -90,10 +90,16 @@ def dense_rows(t: torch.Tensor) -> torch.Tensor:
     """`t` with the row-major strides torch's grouped_mm and the kernels expect. `.contiguous()` alone
     is not enough: a tensor with no elements counts as contiguous whatever its strides, and the
     gradient of `out.sum()` for an empty `out` is an expanded tensor with stride 0, which
-    grouped_mm refuses ("Invalid strides/sizes")."""
-    if t.numel() == 0:  # a clone (differentiable, and free: no elements) gets the standard strides
+    grouped_mm refuses ("Invalid strides/sizes"); so does a dim of size 1, whatever its stride
+    (a single row `x.T` of a [d, 1] column has row stride 1, which grouped_mm refuses, "strides
+    should be multiple of 16 bytes", as it refuses offsets [1] with a stride other than 1)."""
+    step, standard = 1, []
+    for n in reversed(t.shape):
+        standard.insert(0, step)
+        step *= max(n, 1)
+    if t.numel() == 0 or t.stride() != tuple(standard):  # a clone (differentiable) gets the standard strides
         return t.clone(memory_format=torch.contiguous_format)
-    return t.contiguous()
+    return t
 
 
 def refuse_double_backward(op: str) -> None:
