@@ -186,6 +186,8 @@ class FlatParams:
         self.reduced = False
         for slot in self.slots:
             slot.has_grad = False
+            if not self.grads_bound:  # a .grad from before FlatParams was built would be added into the next step
+                slot.param.grad = None
         self.bind_grads()
 
 

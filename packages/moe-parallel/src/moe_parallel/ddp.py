@@ -35,7 +35,8 @@ class GradientSync:
     """Owns the gradient buffers' life cycle across micro-batches.
 
     flats: the replication groups (e.g. [dense, experts]); build them first (their hooks put each
-           gradient into the buffer, and must run before this one's).
+           gradient into the buffer, and must run before this one's). Flats on one process group
+           (a bf16 and an fp32 one over dp) reduce one after another, in list order.
     divisor: gradients are summed over the group then divided by this (the dense dp size:
              the loss is a mean over all data-parallel ranks, also for expert gradients).
     """
@@ -50,6 +51,10 @@ class GradientSync:
         self.final = False
         self.reductions = 0  # collectives launched for gradients (for tests and metrics)
         self._next = [0] * len(flats)  # per flat: index of its next bucket to launch
+        # Flats on one process group (e.g. a bf16 and an fp32 FlatParams over dp) launch as one sequence, in list
+        # order: collectives on a group pair by their order, whichever flat they come from, so a flat held back by
+        # an unused parameter on one rank must hold the later flats of its group too.
+        self._earlier = [[j for j in range(i) if flats[j].group is flat.group] for i, flat in enumerate(flats)]
         self._hooks = []
         if overlap:
             for i, flat in enumerate(flats):
@@ -95,11 +100,17 @@ class GradientSync:
 
     def _launch_ready(self, flat_index: int) -> None:
         """Launch the flat's complete buckets from the next one in bucket order, stopping at the first incomplete one."""
+        if any(self._next[j] < len(self.flats[j].buckets) for j in self._earlier[flat_index]):
+            return  # an earlier flat on this group has buckets to launch first
         flat, at = self.flats[flat_index], self._next[flat_index]
         while at < len(flat.buckets) and flat.buckets[at].pending == 0:
             self._launch(flat, flat.buckets[at])
             at += 1
         self._next[flat_index] = at
+        if at == len(flat.buckets):  # later flats of this group may have been waiting for this one
+            for later, earlier in enumerate(self._earlier):
+                if flat_index in earlier:
+                    self._launch_ready(later)
 
     def _launch(self, flat: FlatParams, bucket: Bucket) -> None:
         if flat.group_size == 1:  # nothing to reduce: world size 1 costs no collective

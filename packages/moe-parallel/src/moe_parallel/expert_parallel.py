@@ -55,25 +55,38 @@ def apply_expert_parallel(model: nn.Module, groups: ParallelGroups, capacity_fac
     Returns the expert parameters' global shapes and row offsets (for checkpoints).
     """
     ep, ep_rank = groups.layout.ep, groups.coords.ep_rank
-    shards: dict[str, ExpertShard] = {}
-    for layer_name, layer in moe_layers(model):
-        layer.router.lb_group = groups.dp
+    layers = moe_layers(model)
+    # Every layer is checked before any is changed: a refused one must not leave the earlier ones sliced.
+    dispatchers: list[AllToAllDispatcher | None] = []
+    owners: dict[int, str] = {}
+    for layer_name, layer in layers:
+        if id(layer.experts) in owners:  # it would be sliced twice
+            raise ValueError(f"{layer_name!r} shares its experts module with {owners[id(layer.experts)]!r}; "
+                             "expected one experts module per MoE layer")
+        owners[id(layer.experts)] = layer_name
         e = layer.num_experts
         if e % ep != 0:
             raise ValueError(f"{layer_name}: num_experts={e} is not divisible by ep={ep}")
-        e_local = e // ep
+        for pname, p in layer.experts.named_parameters():
+            if p.dim() == 0 or p.shape[0] != e:
+                raise ValueError(f"{_experts_prefix(layer_name) + pname} has shape {tuple(p.shape)}, "
+                                 f"expected num_experts={e} rows (one per expert)")
+        # Capacity is a property of the all-to-all transport; the layer's payload codec (e.g. MXFP8 rows) moves to it.
+        codec = getattr(layer.dispatcher, "codec", None)
+        dispatchers.append(AllToAllDispatcher(groups.ep, e, capacity_factor, codec=codec)
+                           if ep > 1 or capacity_factor > 0 else None)
+    shards: dict[str, ExpertShard] = {}
+    for (layer_name, layer), dispatcher in zip(layers, dispatchers):
+        layer.router.lb_group = groups.dp
+        e_local = layer.num_experts // ep
         for pname, p in list(layer.experts.named_parameters()):
             full_name = _experts_prefix(layer_name) + pname
-            if p.dim() == 0 or p.shape[0] != e:
-                raise ValueError(f"{full_name} has shape {tuple(p.shape)}, expected num_experts={e} rows (one per expert)")
             shards[full_name] = ExpertShard(tuple(p.shape), ep_rank * e_local)
             if ep > 1:
                 owner_path, _, leaf = pname.rpartition(".")
                 owner = layer.experts.get_submodule(owner_path) if owner_path else layer.experts
                 local = p[ep_rank * e_local : (ep_rank + 1) * e_local].clone()
                 setattr(owner, leaf, nn.Parameter(local, requires_grad=p.requires_grad))
-        if ep > 1 or capacity_factor > 0:  # capacity is a property of the all-to-all transport
-            # The layer's payload codec (e.g. MXFP8 rows) moves to the new transport with it.
-            codec = getattr(layer.dispatcher, "codec", None)
-            layer.dispatcher = AllToAllDispatcher(groups.ep, e, capacity_factor, codec=codec)
+        if dispatcher is not None:
+            layer.dispatcher = dispatcher
     return shards

@@ -23,7 +23,7 @@ def apply_fsdp(model: nn.Module, group: dist.ProcessGroup, device_type: str) -> 
     from torch.distributed.fsdp import fully_shard
 
     mesh = DeviceMesh.from_group(group, device_type)
-    for module in list(model.modules()):
+    for module in reversed(list(model.modules())):  # inner lists first: fully_shard takes children before parents
         if isinstance(module, nn.ModuleList):
             for child in module:
                 fully_shard(child, mesh=mesh, reshard_after_forward=True)

@@ -88,7 +88,17 @@ class DistributedAdamW:
                 f"DistributedAdamW needs world= (e.g. groups.world) in a job of {dist.get_world_size()} ranks: "
                 "the global gradient norm, the clipping and the skip of a non-finite step must span every rank"
             )
-        if world is not None:  # the per-parameter flags ride one all-reduce over the world: same slots everywhere
+        if world is not None:
+            # a norm over fewer ranks than the gradients span would differ between ranks: other clip factors, or a
+            # skip on some ranks only (which then leave the others waiting in the weight all-gather)
+            world_ranks = dist.get_process_group_ranks(world)
+            for i, flat in enumerate(flats):
+                group = flat.group if flat.group is not None else dist.group.WORLD  # None: the default group
+                outside = sorted(set(dist.get_process_group_ranks(group)) - set(world_ranks))
+                if outside:
+                    raise ValueError(f"DistributedAdamW: flats[{i}] is reduced over ranks {outside} outside world= "
+                                     f"(ranks {world_ranks}); expected world= to span every rank (groups.world)")
+            # the per-parameter flags ride one all-reduce over the world: same slots everywhere
             require_same_on_every_rank(
                 world, [f"flats[{i}] {s.name!r} {tuple(s.param.shape)} {s.param.dtype}" for i, f in enumerate(flats)
                         for s in reversed(f.slots)],  # in the order given (slots are laid out last parameter first)

@@ -1,0 +1,83 @@
+"""Independent QA (2 gloo ranks, one spawn, ~15 s on 2 cores): GradientSync with two FlatParams on one process
+group, a .grad that predates FlatParams, apply_expert_parallel refusing a model before changing any layer,
+DistributedAdamW refusing a world= that misses ranks its gradients are reduced over, and the FSDP2 baseline on a
+model with nn.ModuleLists inside its blocks."""
+
+from __future__ import annotations
+
+import importlib
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).parent))
+worker = importlib.import_module("qa44_worker")
+
+WORLD = 2
+DEADLINE_S = 120
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out_dir = tmp_path_factory.mktemp("qa44")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.spawn(worker.run_rank, args=(WORLD, port, str(out_dir)), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + DEADLINE_S
+    while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"{WORLD} ranks did not finish within {DEADLINE_S} s (mismatched collectives?)")
+    results = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    for r, res in enumerate(results):
+        assert "error" not in res, f"rank {r} failed:\n{res['error']}"
+    return results
+
+
+@pytest.mark.parametrize("shard", [True, False])
+def test_two_flat_params_on_one_group_with_a_parameter_unused_on_one_rank_reduce_their_own_gradients(ranks, shard):
+    # a: 100 on rank 0, nothing on rank 1 -> mean 50; b: 1 and 2 -> mean 1.5 (sharded: rank 0 owns the 5 elements)
+    want_a, want_b = [50.0] * 5, [1.5] * 5
+    for r, res in enumerate(ranks):
+        got_a, got_b = res[f"two_flats_shard={shard}"]
+        if shard:
+            got_a, got_b = (got_a[:5], got_b[:5]) if r == 0 else (None, None)
+        if got_a is not None:
+            assert (got_a, got_b) == (want_a, want_b), f"rank {r}: a={got_a} b={got_b}"
+
+
+@pytest.mark.parametrize("grad_dtype", ["fp32_accumulation", "bf16"])
+def test_a_grad_held_before_flat_params_is_not_added_into_the_first_step(ranks, grad_dtype):
+    for r, res in enumerate(ranks):
+        assert res[f"stale_grad_{grad_dtype}"] == [1.0] * 4, f"rank {r}: {res[f'stale_grad_{grad_dtype}']}"
+
+
+@pytest.mark.parametrize("key, message", [
+    ("ep_bad_second_layer", "ValueError: 1: num_experts=3 is not divisible by ep=2"),
+    ("ep_bad_capacity", "ValueError: capacity_factor=-1.0 must be a finite number >= 0"),
+])
+def test_expert_parallel_refused_on_a_later_layer_leaves_every_layer_unchanged(ranks, key, message):
+    for r, res in enumerate(ranks):
+        got = res[key]
+        assert got["error"].startswith(message), f"rank {r}: {got['error']}"
+        assert got["shape"] == (4, 2) and got["dispatcher_kept"] and not got["lb_group_set"], f"rank {r}: {got}"
+
+
+def test_optimizer_whose_world_misses_ranks_of_a_gradient_group_is_refused_naming_them(ranks):
+    for r, res in enumerate(ranks):
+        want = (f"ValueError: DistributedAdamW: flats[0] is reduced over ranks [{1 - r}] outside world= (ranks [{r}]); "
+                "expected world= to span every rank (groups.world)")
+        assert res["narrow_world"] == want, f"rank {r}: {res['narrow_world']}"
+
+
+def test_fsdp_baseline_shards_a_model_with_module_lists_inside_its_blocks(ranks):
+    for r, res in enumerate(ranks):
+        assert isinstance(res["fsdp_nested_lists"], float) and res["fsdp_nested_lists"] < 1e-5, \
+            f"rank {r}: {res['fsdp_nested_lists']}"
