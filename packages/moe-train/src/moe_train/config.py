@@ -172,6 +172,7 @@ MAX_COLLECTIVE_TIMEOUT_S = 1e7  # about 116 days; datetime.timedelta overflows n
 # torch sizes a tensor's bytes in int64 ("Storage size calculation overflowed"): keep the widest
 # weight (d_model against the vocabulary, the attention heads or all experts' hidden rows) far below.
 MAX_WEIGHT_ELEMENTS = 2**48
+FLOAT32_MAX, FLOAT32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38  # torch.finfo(torch.float32).max / .tiny
 
 
 def _check(cond: bool, name: str, value: Any, expected: str) -> None:
@@ -286,7 +287,10 @@ def validate(cfg: Config) -> Config:
     for name in ("steps", "micro_batch_size", "grad_accum", "eval_windows", "log_interval", "keep_last",
                  "max_skipped_steps"):
         _check(getattr(t, name) >= 1, f"train.{name}", getattr(t, name), "a positive integer")
+    # AdamW runs in float32: an lr past its largest value is inf, an eps below its smallest normal underflows (to 0
+    # where subnormals are flushed: 0 / 0 = NaN for a weight whose gradient is 0); either makes the weights NaN.
     _check(t.lr > 0, "train.lr", t.lr, "> 0")
+    _check(t.lr <= FLOAT32_MAX, "train.lr", t.lr, f"<= {FLOAT32_MAX:.4g} (float32's largest; AdamW runs in float32)")
     _check(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", t.min_lr_ratio, "in [0, 1]")
     _check(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, ">= 0")
     _choice("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
@@ -302,6 +306,9 @@ def validate(cfg: Config) -> Config:
     for name in ("beta1", "beta2"):
         _check(0 <= getattr(t, name) < 1, f"train.{name}", getattr(t, name), "in [0, 1)")
     _check(t.eps > 0, "train.eps", t.eps, "> 0")
+    _check(t.eps >= FLOAT32_TINY, "train.eps", t.eps,
+           f">= {FLOAT32_TINY:.4g} (float32's smallest normal number; AdamW runs in float32, where a smaller eps "
+           "underflows)")
     _check(t.seed >= 0, "train.seed", t.seed, "an integer >= 0")
     _check(0 <= t.threads <= MAX_THREADS, "train.threads", t.threads,
            f">= 0 and <= {MAX_THREADS} (0 leaves torch's default)")

@@ -32,6 +32,7 @@ from moe_ckpt.hf import (
 )
 from moe_train.config import Config, ConfigError
 from moe_train.config_io import config_from_dict, export_config_from_dict
+from moe_train.data.prepare import load_tokenizer
 from moe_train.model import Transformer
 from moe_train.trainer import checkpoint as ckpt
 from moe_train.trainer.data_setup import default_data_dir
@@ -104,7 +105,11 @@ def _moe_ckpt_reader(path: Path) -> tuple[dict[str, Any], TensorSource] | None:
         raise HFConversionError(f"checkpoint {str(path)!r}: its metadata has no 'config' with a 'model' section")
     data = cfg.get("data", {})
     if data.get("path") == "default":  # trained on the embedded corpus: export the tokenizer it made
-        folder = default_data_dir(_stored_config(path, cfg).data)
+        corpus = _stored_config(path, cfg).data
+        fraction = data.get("eval_fraction")  # part of the folder's name; looked up, not validated (export needs none)
+        if isinstance(fraction, (int, float)) and not isinstance(fraction, bool):
+            corpus.eval_fraction = fraction
+        folder = default_data_dir(corpus)
         if (folder / "meta.json").is_file():
             cfg = {**cfg, "data": {**data, "path": str(folder)}}
     ckpt = open_checkpoint(path)  # index.json parsed once; each shard file opened and checksummed once
@@ -196,6 +201,8 @@ def export_hf(
             if extra_file.is_file():
                 extra.update(read_json_object(extra_file))
         extra.update(extra_config or {})
+        if tokenizer_json is not None and Path(tokenizer_json).is_file():  # moe_ckpt names one that is not a file
+            load_tokenizer(str(tokenizer_json))  # a file that is no tokenizer.json: refused before any weight is out
         kwargs = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
         summary = export_hf_folder(model_dict, tensors, out_dir, dtype=dtype, tokenizer_json=tokenizer_json,
                                    extra_config=extra, allow_benchmark_routing=allow_benchmark_routing, **kwargs)

@@ -145,7 +145,7 @@ def train_bpe(docs: Iterable[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
-def _load_tokenizer(path: str) -> Tokenizer:
+def load_tokenizer(path: str) -> Tokenizer:
     if not Path(path).is_file():
         raise FileNotFoundError(f"--tokenizer {path!r} " + ("is a folder" if Path(path).is_dir() else "does not exist")
                                 + ": expected a Hugging Face tokenizer.json file")
@@ -180,7 +180,7 @@ def _special_tokens(tok: Tokenizer) -> str:
 def _build(docs: Iterable[str], tmp: Path, vocab_size: int, tokenizer_path: str | None, eval_fraction: float,
            source: str, eos_token: str | None = None) -> None:
     if tokenizer_path:
-        tok = _load_tokenizer(tokenizer_path)
+        tok = load_tokenizer(tokenizer_path)
     else:
         training = _DocumentPass(docs)
         tok = train_bpe(training, vocab_size)

@@ -20,6 +20,7 @@ from moe_ckpt import (
     load_checkpoint, load_metadata, save_checkpoint, step_dir, step_of,
 )
 from moe_train.config import Config, ConfigError, ModelConfig
+from moe_train.trainer.errors import TrainingError
 from moe_train.trainer.runtime import CheckpointShard, Runtime, Slice
 
 
@@ -53,12 +54,29 @@ def save(run_dir: str | Path, step: int, runtime: Runtime, model: nn.Module, met
     specs = [ShardSpec(s.global_name, s.global_shape, s.tensor.detach(), _region(s.slice), writer=s.is_writer)
              for s in all_shards(runtime, model) if s.same_as is None]
     path = step_dir(checkpoint_root(run_dir), step)
+    _refuse_non_finite(specs, runtime, path)
     barrier = barrier or runtime.barrier
     if async_saver is not None:
         async_saver.save(path, specs, metadata, runtime.rank, runtime.world_size, barrier, keep_last_n=keep_last)
     else:
         save_checkpoint(path, specs, metadata, runtime.rank, runtime.world_size, barrier, keep_last_n=keep_last)
     return path
+
+
+def _refuse_non_finite(specs: list[ShardSpec], runtime: Runtime, path: Path) -> None:
+    """Every rank raises TrainingError when any rank's state holds NaN or Inf (an update that overflowed: lr past
+    float32's range, say): no step can follow it (each is skipped), a resume refuses such a checkpoint, and
+    writing it would let retention delete the good ones. One all-reduce; the tensor is named by a rank holding it."""
+    floats = [s.tensor for s in specs if s.tensor.is_floating_point()]
+    finite = [torch.isfinite(t).all().to(runtime.device) for t in floats]  # step counts may sit on the CPU
+    bad = runtime.all_reduce_sum((~torch.stack(finite).all()).float().reshape(1) if finite
+                                 else torch.zeros(1, device=runtime.device))
+    if bad.item() > 0:
+        name = next((s.name for s in specs if s.tensor.is_floating_point() and not torch.isfinite(s.tensor).all()),
+                    None)
+        where = f"tensor {name!r} (rank {runtime.rank})" if name else "another rank's state"
+        raise TrainingError(f"not saving {path.name}: {where} holds NaN or Inf, so no later step can be taken; the "
+                            "checkpoints already saved are kept (lower train.lr, or check the run's settings)")
 
 
 # Model fields a resumed run may change: they set kernels, precision, initialisation or loss
@@ -255,7 +273,8 @@ def _read(path: Path, shards: list[CheckpointShard], device: torch.device) -> di
     for todo in passes:
         # dtype unchecked: resident weights may be bf16 on one layout and fp32 on another; copy_ casts.
         # NaN/Inf anywhere is refused before any state is touched: no training state holds them (a step
-        # with a non-finite loss is skipped), and resuming from one would let retention delete good ones.
+        # with a non-finite loss is skipped, and save refuses weights an update made non-finite), and resuming
+        # from one would let retention delete good ones.
         data = load_checkpoint(path, [LoadRequest(*key[:2], None, key[2]) for key in todo.values()], device=device,
                                require_finite=True)
         got.update((key, data[name]) for name, key in todo.items())

@@ -48,9 +48,12 @@ def make_runtime(cfg: Config, device: torch.device) -> Runtime:
     backend = p.backend if p.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     timeout = timedelta(seconds=p.collective_timeout_s)
     initialised_here = not dist.is_initialized()
-    if initialised_here:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # a world of 1 launched without torchrun
-        os.environ.setdefault("MASTER_PORT", "29500")
+    if initialised_here and world == 1 and "MASTER_PORT" not in os.environ:
+        # a world of 1 launched without torchrun: nothing to meet, so an in-process store rather than a fixed
+        # port (two such runs on one machine, e.g. one per GPU, both took 29500 and the second failed)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=rank, world_size=world, timeout=timeout)
+    elif initialised_here:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     try:
         groups = build_groups(layout, cfg.model.num_experts, timeout=timeout)

@@ -44,6 +44,11 @@ class Trainer:
         t = cfg.train
         if Path(t.run_dir).exists() and not Path(t.run_dir).is_dir():
             raise ConfigError(f"train.run_dir={t.run_dir!r} is a file: expected a folder (or a path to create one)")
+        d = cfg.data
+        if d.path == "default" and d.default_vocab_size > cfg.model.vocab_size:  # known before tokenizing the corpus
+            raise ConfigError(f"data.default_vocab_size={d.default_vocab_size}: expected <= model.vocab_size="
+                              f"{cfg.model.vocab_size} (the embedded corpus's BPE emits ids the model must embed); "
+                              f"set data.default_vocab_size={cfg.model.vocab_size} or raise model.vocab_size")
         if t.threads > 0:
             torch.set_num_threads(t.threads)
         self.runtime = runtime or make_runtime(cfg, pick_device(t.device))
