@@ -76,7 +76,7 @@ class AsyncCheckpointer:
         t1 = time.perf_counter()
         snap = self._snapshot(shards)
         t2 = time.perf_counter()
-        stats = SaveStats(Path(path), sum(s.nbytes for s in snap), t2 - t0, t2 - t1, 0.0)
+        stats = SaveStats(Path(path), sum(s.nbytes for s in snap if s.writer), t2 - t0, t2 - t1, 0.0)
         self._pending = stats
 
         def run() -> None:
@@ -122,7 +122,8 @@ class AsyncCheckpointer:
     def _snapshot(self, shards: Sequence[ShardSpec]) -> list[ShardSpec]:
         out, on_cuda = [], False
         for s in shards:
-            if not s.writer:
+            if not s.writer:  # no data is written: kept so that the save can check some rank writes it
+                out.append(s)
                 continue
             src = s.tensor.detach()
             key = f"{s.name}{describe(s.region)}"

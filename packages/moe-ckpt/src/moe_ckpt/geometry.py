@@ -84,10 +84,18 @@ Region = Union[Box, FlatRange]
 
 
 def region_from_json(d: dict) -> Region:
+    """A region as index.json stores it: "box": [[offset, length], ...] or "flat": [start, length], integers;
+    ValueError naming it otherwise (a float or a short list is a damaged index, never rounded or guessed)."""
+    def pair(x: object) -> bool:
+        return isinstance(x, list) and len(x) == 2 and all(isinstance(n, int) and not isinstance(n, bool) for n in x)
     if "box" in d:
+        if not (isinstance(d["box"], list) and all(pair(p) for p in d["box"])):
+            raise ValueError(f"region {d!r}: 'box' is not a list of [offset, length] integer pairs")
         return Box(tuple(o for o, _ in d["box"]), tuple(n for _, n in d["box"]))
     if "flat" in d:
-        return FlatRange(int(d["flat"][0]), int(d["flat"][1]))
+        if not pair(d["flat"]):
+            raise ValueError(f"region {d!r}: 'flat' is not an integer pair [start, length]")
+        return FlatRange(*d["flat"])
     raise ValueError(f"region {d!r} has neither 'box' nor 'flat'")
 
 

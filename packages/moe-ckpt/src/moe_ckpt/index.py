@@ -179,6 +179,16 @@ def build_index(manifests: list[dict], world_size: int, algorithm: str) -> Index
                                   f"rank {owners[name][0]} as {entry.shape} {entry.dtype}")
             entry.pieces.append(Piece(m["file"], p["key"], region_from_json(p)))
             owners.setdefault(name, []).append(m["rank"])
+    for m in manifests:  # tensors a rank handed in with writer=False: some rank must have written them
+        for d in m.get("declared", []):
+            name, shape, dtype = d["name"], tuple(d["shape"]), d["dtype"]
+            if name not in tensors:
+                raise LayoutError(f"tensor {name!r} {shape} {dtype}: rank {m['rank']} passed it with writer=False "
+                                  "and no rank wrote it; a replicated tensor needs exactly one writer=True")
+            entry = tensors[name]
+            if entry.shape != shape or entry.dtype != dtype:
+                raise LayoutError(f"tensor {name!r}: rank {m['rank']} has it as {shape} {dtype} (writer=False), "
+                                  f"rank {owners[name][0]} saved it as {entry.shape} {entry.dtype}")
     for name, entry in tensors.items():
         _check_tiling(name, entry, owners[name])
     return Index(world_size, algorithm, files, dict(sorted(tensors.items())))

@@ -84,7 +84,7 @@ def load_checkpoint(
     To read tensor by tensor, open the checkpoint once with `open_checkpoint` instead.
     """
     with open_checkpoint(path, verify=verify) as ckpt:
-        return ckpt.read(requests, device=device, require_finite=require_finite)
+        return ckpt._read(requests, device, require_finite, lend_views=True)
 
 
 def open_checkpoint(path: str | Path, *, verify: bool = True) -> OpenCheckpoint:
@@ -132,12 +132,20 @@ class OpenCheckpoint:
         device: str | torch.device = "cpu",
         require_finite: bool = False,
     ) -> dict[str, torch.Tensor]:
-        """load_checkpoint's reads (same requests, results and errors) without re-reading index.json."""
+        """load_checkpoint's reads (same requests, results and errors) without re-reading index.json.
+
+        Results are the caller's own memory: a piece read whole is copied out of the file's memory map, which
+        later reads through this checkpoint share (load_checkpoint, which closes it at once, hands out the map).
+        """
+        return self._read(requests, device, require_finite, lend_views=False)
+
+    def _read(self, requests, device, require_finite: bool, lend_views: bool) -> dict[str, torch.Tensor]:
         self._check_open()
         if requests is None:
             requests = [LoadRequest(name) for name in self._index.tensors]
         _validate(self.path, self._index, requests)
-        return {req.name: _assemble(self._index, self._files, req, device, require_finite) for req in requests}
+        return {req.name: _assemble(self._index, self._files, req, device, require_finite, lend_views)
+                for req in requests}
 
     def check_all_files(self) -> None:
         """Open (and check) every shard file now rather than at its first read: a damaged file fails here."""
@@ -237,7 +245,8 @@ class _Files(contextlib.ExitStack):
                                         f"{list(got_shape)}; index.json says {want_code} {list(want_shape)}")
 
 
-def _assemble(index: Index, files: _Files, req: LoadRequest, device, require_finite: bool) -> torch.Tensor:
+def _assemble(index: Index, files: _Files, req: LoadRequest, device, require_finite: bool,
+              lend_views: bool) -> torch.Tensor:
     entry = index.tensors[req.name]
     dtype = dtype_from_name(entry.dtype)
     region = req.region if req.region is not None else Box.whole(entry.shape)
@@ -250,7 +259,9 @@ def _assemble(index: Index, files: _Files, req: LoadRequest, device, require_fin
         _check_finite(files.path, req.name, region, whole)
     if whole is not None:  # one stored piece holds all of it: no assembly buffer, no second copy
         if dest is None:
-            return whole.reshape(region.local_shape).to(device)
+            got = whole.reshape(region.local_shape).to(device)
+            # on the CPU a view of the map: changed in place, it would change every later read of the piece
+            return got if lend_views or got.device != whole.device else got.clone()
         return dest.copy_(whole.reshape(dest.shape))
     if dest is None:
         dest = torch.empty(region.local_shape, dtype=dtype, device=device)

@@ -8,7 +8,8 @@ Protocol (ranks share a file system; `barrier` is the only coordination):
   3. rank 0 merges manifests into index.json after metadata.json,
      fsyncs, renames `<path>.tmp` -> `<path>`, moves `latest`,
      applies retention                                             -- barrier
-  4. every rank checks the commit happened; if it did not, each reads
+  4. every rank checks the commit happened; if it did not (or rank 0
+     failed after it: `latest`, retention), each reads
      the error records in `<path>.tmp`                             -- barrier
      and rank 0 removes `<path>.tmp`
 A failure on any rank is written to the tmp directory and every rank still reaches
@@ -19,6 +20,7 @@ and whatever a killed process leaves is removed by the next save (step 1).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.metadata
 import json
@@ -32,7 +34,7 @@ from moe_ckpt.errors import CheckpointError
 from moe_ckpt.geometry import FlatRange, describe
 from moe_ckpt.index import build_index, manifest_name, shard_file_name
 from moe_ckpt.run_dir import (
-    INDEX, METADATA, apply_retention, is_complete, remove_leftovers, tmp_dir_for, write_latest,
+    INDEX, METADATA, TMP_MARK, apply_retention, is_complete, remove_leftovers, tmp_dir_for, write_latest,
 )
 from moe_ckpt.shard_file import Checksum, fsync_dir, write_json_atomic, write_shard_file
 from moe_ckpt.spec import ShardSpec, dtype_name
@@ -64,6 +66,11 @@ def save_checkpoint(
     if world_size > 1 and barrier is None:
         raise ValueError(f"world_size={world_size} needs a barrier callable (e.g. torch.distributed.barrier)")
     Checksum(checksum)
+    if keep_last_n is not None and keep_last_n < 1:  # here, on every rank: retention runs after the commit, on rank 0
+        raise ValueError(f"keep_last_n={keep_last_n} must be >= 1 (None keeps every checkpoint)")
+    if TMP_MARK in path.name:  # readers take such a folder for a partial save and refuse it
+        raise ValueError(f"checkpoint path {path}: its name contains {TMP_MARK!r}, which marks unfinished saves; "
+                         f"pick a name without it (e.g. step_dir(run, step))")
     if path.exists() or path.is_symlink():
         raise FileExistsError(f"checkpoint {path} already exists; pick a new directory or delete it")
     barrier = barrier or (lambda: None)
@@ -93,11 +100,18 @@ def save_checkpoint(
                 f"checkpoint {path} was not committed: {_read_errors(tmp) or 'no error recorded'}")
             barrier()  # every rank has read the error records; the tmp folder may go
             raise failure
+        late = _read_errors(tmp)  # committed, then rank 0 failed moving `latest` or applying retention
+        if late:
+            barrier()  # every rank has read the record; it may go
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise errors[0] if errors else CheckpointError(
+                f"checkpoint {path} was committed, then rank 0 failed: {late}")
     except BaseException:
         if rank == 0 and not is_complete(path):
             shutil.rmtree(tmp, ignore_errors=True)  # abandoned: what survives keeps its .tmp name
         raise
-    if errors:  # committed, then a later step failed on this rank (e.g. retention)
+    if errors:  # committed, then a later step failed on this rank and its record could not be written
         raise errors[0]
     return path
 
@@ -118,9 +132,10 @@ def _write_rank(tmp: Path, shards: Sequence[ShardSpec], rank: int, world_size: i
     if not _is_own_dir(tmp):
         raise CheckpointError(f"rank {rank}: {tmp} is not a folder; rank 0 failed to create it "
                               f"({_read_errors(tmp) or 'or the ranks do not share a file system'})")
-    entries, pieces, seen = [], [], set()
+    entries, pieces, declared, seen = [], [], [], set()
     for s in shards:
-        if not s.writer:
+        if not s.writer:  # another rank writes it; named so that the commit can check one does
+            declared.append({"name": s.name, "shape": list(s.global_shape), "dtype": dtype_name(s.dtype)})
             continue
         key = f"{s.name}{describe(s.region)}"
         if key in seen:
@@ -134,7 +149,7 @@ def _write_rank(tmp: Path, shards: Sequence[ShardSpec], rank: int, world_size: i
     record = write_shard_file(tmp / fname, entries, {"moe_ckpt.pieces": json.dumps(pieces)}, algorithm)
     write_json_atomic(tmp / manifest_name(rank, world_size),
                       {"rank": rank, "file": fname, "bytes": record.nbytes, "checksum": record.checksum,
-                       "pieces": pieces})
+                       "pieces": pieces, "declared": declared})
 
 
 def _commit(path: Path, tmp: Path, metadata: dict | None, world_size: int, algorithm: str,
@@ -164,10 +179,15 @@ def _commit(path: Path, tmp: Path, metadata: dict | None, world_size: int, algor
     fsync_dir(tmp)
     os.rename(tmp, path)
     fsync_dir(path.parent)
-    if update_latest:
-        write_latest(path.parent, path)
-    if keep_last_n is not None:
-        apply_retention(path.parent, keep_last_n)
+    try:
+        if update_latest:
+            write_latest(path.parent, path)
+        if keep_last_n is not None:
+            apply_retention(path.parent, keep_last_n)
+    except Exception:
+        with contextlib.suppress(OSError):  # a folder again, for the error record every rank reads
+            tmp.mkdir()
+        raise
 
 
 def _writer_version() -> str:

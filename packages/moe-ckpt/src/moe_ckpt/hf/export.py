@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from moe_ckpt.hf.layout import Entry, build_plan, to_hf
+from moe_ckpt.hf.load import read_json_object
 from moe_ckpt.hf.spec import ARCH, DTYPES, HFConversionError, choose_model_type, to_hf_config
 
 TensorSource = Union[Mapping[str, torch.Tensor], Callable[[str], torch.Tensor]]
@@ -107,6 +108,8 @@ def export_hf_folder(
     if tokenizer_json is not None and not Path(tokenizer_json).is_file():  # before any shard is written
         raise HFConversionError(f"tokenizer_json={str(tokenizer_json)!r} is not a file; "
                                 "expected a tokenizers tokenizer.json")
+    if tokenizer_json is not None:
+        _added_tokens(Path(tokenizer_json))  # a damaged file fails here too, not after every shard is written
     _clean_leftovers(final)
     _check_replaceable(final)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -289,9 +292,9 @@ def _write_generation_config(out: Path, hf_config: dict[str, Any]) -> None:
 
 def write_tokenizer(out: Path, tokenizer_json: str | Path, hf_config: dict[str, Any]) -> None:
     """Copy tokenizer.json and write a tokenizer_config.json that AutoTokenizer loads (fast tokenizer)."""
-    src = Path(tokenizer_json)  # export_hf_folder checked it is a file before writing any shard
+    src = Path(tokenizer_json)  # export_hf_folder checked it before writing any shard
     shutil.copyfile(src, out / "tokenizer.json")
-    added = {t["id"]: t["content"] for t in json.loads(src.read_text()).get("added_tokens", [])}
+    added = _added_tokens(src)
     tok_config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": hf_config["max_position_embeddings"],
         "clean_up_tokenization_spaces": False,
@@ -301,3 +304,12 @@ def write_tokenizer(out: Path, tokenizer_json: str | Path, hf_config: dict[str, 
         if token_id in added:
             tok_config[f"{key}_token"] = added[token_id]
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, sort_keys=True) + "\n")
+
+
+def _added_tokens(tokenizer_json: Path) -> dict[int, str]:
+    """tokenizer.json's added tokens by id; HFConversionError naming the file unless it is a tokenizers one."""
+    added = read_json_object(tokenizer_json).get("added_tokens", [])
+    if not (isinstance(added, list) and all(isinstance(t, dict) and "id" in t and "content" in t for t in added)):
+        raise HFConversionError(f"{tokenizer_json}: 'added_tokens' is {json.dumps(added)[:80]}, expected a list of "
+                                "{'id', 'content', ...} objects (a tokenizers tokenizer.json)")
+    return {t["id"]: t["content"] for t in added}

@@ -89,6 +89,12 @@ def choose_model_type(m: dict[str, Any], allow_benchmark_routing: bool = False) 
         if rotary_fraction(m) != 1.0:
             raise _refuse(f"rotary_fraction={m['rotary_fraction']!r} in a dense model (LlamaForCausalLM and "
                           "Qwen3ForCausalLM rotate the whole head)", "rotary_fraction=1.0")
+        if not m["qk_norm"] and m["d_model"] % m["num_heads"]:  # transformers 5's LlamaConfig refuses it on load
+            raise HFConversionError(
+                f"num_heads={m['num_heads']} does not divide d_model={m['d_model']} in a dense model without qk_norm: "
+                "LlamaForCausalLM's config refuses a hidden_size that is not a multiple of num_attention_heads "
+                "(head_dim notwithstanding), so transformers could not load the folder; nearest that exports: "
+                "qk_norm=True (Qwen3ForCausalLM) or num_heads dividing d_model")
         return "qwen3" if m["qk_norm"] else "llama"
     model_type = _moe_model_type(m)
     # After the architecture checks: allowing benchmark routing would not make a refused model export.
