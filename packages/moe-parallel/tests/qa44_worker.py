@@ -137,6 +137,30 @@ def check_fsdp_with_nested_module_lists(rank: int, world: int) -> float:
                for p, q in zip(model.parameters(), ref.parameters()))
 
 
+def check_finish_twice(rank: int) -> dict:
+    """finish() twice in one step (the second would sum the reduced gradients over the group again), then the
+    optimizer step and a next step's finish(); FlatParams built from model.named_parameters() (a generator)."""
+    model = nn.Linear(3, 2)
+    flat = FlatParams(model.named_parameters(), dist.group.WORLD, shard=False)
+    sync = GradientSync([flat], divisor=dist.get_world_size())
+    opt = DistributedAdamW([flat], AdamWConfig(lr=0.1), world=dist.group.WORLD)
+    out: dict = {}
+    for step in range(2):
+        sync.begin_backward(final=True)
+        model(torch.ones(1, 3) * (rank + 1)).sum().backward()
+        sync.finish()
+        if step == 0:
+            try:
+                sync.finish()
+                out["second_finish"] = "accepted"
+            except RuntimeError as e:
+                out["second_finish"] = str(e)
+        out[f"grad{step}"] = flat.grad_buffer.tolist()
+        opt.step()
+        sync.zero_grads()
+    return out
+
+
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     res: dict = {}
@@ -150,6 +174,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         checks["ep_bad_capacity"] = (check_refused_expert_parallel_changes_nothing, -1.0, 4)
         checks["narrow_world"] = (check_optimizer_world_narrower_than_the_gradients,)
         checks["fsdp_nested_lists"] = (check_fsdp_with_nested_module_lists, rank, world)
+        checks["finish_twice"] = (check_finish_twice, rank)
         for key, (fn, *args) in checks.items():
             try:
                 res[key] = fn(*args)

@@ -1,7 +1,8 @@
 """Independent QA (2 gloo ranks, one spawn, ~15 s on 2 cores): GradientSync with two FlatParams on one process
 group, a .grad that predates FlatParams, apply_expert_parallel refusing a model before changing any layer,
-DistributedAdamW refusing a world= that misses ranks its gradients are reduced over, and the FSDP2 baseline on a
-model with nn.ModuleLists inside its blocks."""
+DistributedAdamW refusing a world= that misses ranks its gradients are reduced over, the FSDP2 baseline on a
+model with nn.ModuleLists inside its blocks, and GradientSync.finish() refused a second time in one step (added
+after helper 44, with FlatParams taking model.named_parameters() as it comes)."""
 
 from __future__ import annotations
 
@@ -81,3 +82,16 @@ def test_fsdp_baseline_shards_a_model_with_module_lists_inside_its_blocks(ranks)
     for r, res in enumerate(ranks):
         assert isinstance(res["fsdp_nested_lists"], float) and res["fsdp_nested_lists"] < 1e-5, \
             f"rank {r}: {res['fsdp_nested_lists']}"
+
+
+def test_a_second_finish_in_one_step_is_refused_and_the_next_step_reduces_once(ranks):
+    for r, res in enumerate(ranks):
+        got = res["finish_twice"]
+        assert isinstance(got, dict), f"rank {r}: {got}"
+        assert got["second_finish"].startswith("GradientSync.finish(): the gradients of flats[0] were already "
+                                               "reduced for this step"), f"rank {r}: {got['second_finish']}"
+        # x = 1 on rank 0, 2 on rank 1: mean weight gradient 1.5, bias 1; the refused call changed nothing
+        # (the buffer's alignment padding holds zeros)
+        want = sorted([1.5] * 6 + [1.0] * 2)
+        for step in (0, 1):
+            assert sorted(v for v in got[f"grad{step}"] if v) == want, f"rank {r} step {step}: {got[f'grad{step}']}"

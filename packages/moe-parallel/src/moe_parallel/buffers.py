@@ -10,6 +10,7 @@ group size g) is owned in g equal shards: rank r owns [start + r*n/g, start + (r
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -65,12 +66,13 @@ class FlatParams:
 
     def __init__(
         self,
-        named_params: list[tuple[str, nn.Parameter]],
+        named_params: Iterable[tuple[str, nn.Parameter]],
         group: dist.ProcessGroup,
         shard: bool,
         grad_dtype: torch.dtype | None = None,
         bucket_numel: int = 1 << 25,
     ):
+        named_params = list(named_params)  # model.named_parameters() is a generator
         if not named_params:
             raise ValueError("FlatParams needs at least one parameter")
         dtypes = {p.dtype for _, p in named_params}

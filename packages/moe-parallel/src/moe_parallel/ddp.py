@@ -127,8 +127,16 @@ class GradientSync:
         """After the last backward: reduce every bucket not yet launched (in bucket order), wait, and average.
 
         A gradient this rank did not produce in the last backward is whatever the earlier
-        micro-batches accumulated, or zeros.
+        micro-batches accumulated, or zeros. Once per optimizer step: a second finish() before the
+        step (or zero_grads()) is refused, since it would reduce the reduced gradients again.
         """
+        again = [i for i, flat in enumerate(self.flats) if flat.reduced]
+        if again:  # the same on every rank: each calls finish() and step() the same number of times
+            raise RuntimeError(
+                f"GradientSync.finish(): the gradients of flats{again} were already reduced for this step; expected "
+                "one finish() after the last micro-batch's backward, then the optimizer step (or zero_grads()) "
+                "(a second reduction would sum the group's gradients again)"
+            )
         for i, flat in enumerate(self.flats):
             for bucket in flat.buckets[self._next[i] :]:
                 self._launch(flat, bucket)
