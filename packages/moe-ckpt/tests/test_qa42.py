@@ -167,3 +167,9 @@ def test_a_tensor_read_through_open_checkpoint_and_changed_in_place_leaves_later
         again = ckpt.read([LoadRequest("w"), LoadRequest("m")])
         rows = ckpt.read([LoadRequest("w", region=Box((2, 0), (3, 4)))])["w"]
     assert bits_equal(again["w"], w) and bits_equal(again["m"], m) and bits_equal(rows, w[2:5])
+
+
+@pytest.mark.parametrize("step", [-1, 2.0, True, "3"])
+def test_step_dir_refuses_a_step_find_latest_could_never_list(tmp_path, step):
+    with pytest.raises(ValueError, match=f"step={step!r}: expected an integer >= 0"):
+        step_dir(tmp_path, step)

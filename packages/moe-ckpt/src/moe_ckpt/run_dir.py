@@ -13,6 +13,7 @@ time per run directory: a save starts by removing what earlier failed or killed 
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 import shutil
@@ -30,7 +31,13 @@ TMP_MARK = ".tmp"
 
 def step_dir(root: str | Path, step: int) -> Path:
     """The conventional checkpoint directory for `step`: root/step-00000123."""
-    return Path(root) / f"step-{step:08d}"
+    try:  # any integer (numpy's, a 0-dim integer tensor's) but a bool
+        number = None if isinstance(step, bool) else operator.index(step)
+    except TypeError:
+        number = None
+    if number is None or number < 0:  # step-0000-1 would be written, then never found: find_latest lists step-<digits>
+        raise ValueError(f"step={step!r}: expected an integer >= 0")
+    return Path(root) / f"step-{number:08d}"
 
 
 _STEP_NAME = re.compile(r"step-(\d{8,})")
