@@ -7,6 +7,13 @@ import sys
 import pytest
 
 
+def pytest_configure(config):
+    """The marks these tests use, registered here too: the package's tests run alone (an sdist, a
+    copy in another repository, `--strict-markers`) without the monorepo's pytest config."""
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped cleanly without one)")
+    config.addinivalue_line("markers", "slow: multi-process or long tests")
+
+
 @pytest.fixture
 def run_under_interpreter():
     """Run a test file as a script under Triton's CPU interpreter: TRITON_INTERPRET must be set

@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-from moe_kernels.triton import dense_rows, use_triton
+from moe_kernels.triton import at_own_dtype, dense_rows, use_triton
 
 GemmBackend = Literal["auto", "triton", "torch", "reference"]
 
@@ -59,7 +59,8 @@ def _check_operands(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> 
 def _per_expert_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     ends = offsets.tolist()
     _check_ends(ends, x.shape[0])  # read here anyway (on a GPU too)
-    outs = [x[start:end] @ w[e] for e, (start, end) in enumerate(zip([0] + ends[:-1], ends))]
+    with at_own_dtype(x):
+        outs = [x[start:end] @ w[e] for e, (start, end) in enumerate(zip([0] + ends[:-1], ends))]
     return torch.cat(outs, dim=0) if outs else x.new_zeros(0, w.shape[-1])
 
 

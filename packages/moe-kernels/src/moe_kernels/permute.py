@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 
 from moe_kernels.route_map import RouteMap
-from moe_kernels.triton import use_triton
+from moe_kernels.triton import at_own_dtype, use_triton
 
 RowBackend = Literal["auto", "triton", "torch", "reference"]
 
@@ -85,5 +85,6 @@ def combine(
     d = expert_out.shape[1]
     rows = expert_out.index_select(0, route_map.dest_row).view(route_map.num_tokens, route_map.top_k, d)
     acc = torch.promote_types(expert_out.dtype, torch.float32)
-    out = torch.einsum("tkd,tk->td", rows.to(acc), weights.to(acc))
+    with at_own_dtype(expert_out):
+        out = torch.einsum("tkd,tk->td", rows.to(acc), weights.to(acc))
     return out.to(expert_out.dtype)

@@ -6,6 +6,7 @@ without triton. The kernel modules import it and are loaded only when a triton b
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -100,6 +101,16 @@ def dense_rows(t: torch.Tensor) -> torch.Tensor:
     if t.numel() == 0 or t.stride() != tuple(standard):  # a clone (differentiable) gets the standard strides
         return t.clone(memory_format=torch.contiguous_format)
     return t
+
+
+def at_own_dtype(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """A context in which torch's matmuls on `t` compute in its own dtype, whatever torch.autocast
+    says: every op here computes in the dtype it is given, as the triton kernels (which autocast
+    never touches) do. Under autocast a per-expert `x @ w` would return bf16 rows that then meet
+    the fp32 weights of the next GEMM, and combine's fp32 sum would run as a bf16 bmm."""
+    if torch.amp.is_autocast_available(t.device.type):
+        return torch.autocast(t.device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def refuse_double_backward(op: str) -> None:
