@@ -243,3 +243,34 @@ def test_a_resume_on_other_training_data_or_with_another_data_seed_says_so(tmp_p
     other = prepare_data(docs[: len(docs) // 2 + 1], tmp_path / "other", vocab_size=512, source="stdlib-test")
     got = resume_warnings(path=str(other))
     assert any("windows of data.seq_len" in m and "re-prepared" in m for m in got), got
+
+
+class SigtermAtStepTwo(LocalRuntime):
+    """SIGTERM to this process after the second step, as torchrun sends it to the other ranks when one fails."""
+
+    sent = False
+
+    def step(self, lr):
+        result = super().step(lr)
+        if not self.sent and self.steps_done == 2:
+            # the default action would end this test session: only send it where train() took the signal over
+            assert signal.getsignal(signal.SIGTERM) != signal.SIG_DFL, "train() left SIGTERM to its default action"
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.steps_done += 1
+        return result
+
+    steps_done = 1
+
+
+def test_a_sigterm_ends_the_run_with_an_end_event_like_ctrl_c_and_it_resumes(tmp_path, data_dir, make_config):
+    cfg = make_config(tmp_path, steps=4, save_interval=1, eval_interval=0, log_interval=1)
+    cfg.data.path = str(data_dir)
+    trainer = Trainer(cfg, SigtermAtStepTwo(cfg, torch.device("cpu")))
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        trainer.train()
+    end = read_metrics(tmp_path / "run")[-1]
+    assert end["event"] == "end" and end["status"] == "interrupted" and "SIGTERM" in end["error"], end
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "train() must restore the handler"
+    assert find_latest(tmp_path / "run" / "checkpoints") is not None
+    assert Trainer(cfg).train()["step"] == 4

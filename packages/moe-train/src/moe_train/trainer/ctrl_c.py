@@ -9,6 +9,10 @@ behaviour (Ctrl-C raises KeyboardInterrupt at once) and also remembers it, so th
 
 It takes over SIGINT only where Python's default handler is installed and only from the main
 thread; a handler of the caller's own is left alone, and the previous handler is restored on exit.
+SIGTERM, where its default action (the process dies on the spot) is installed, is taken over the
+same way and ends the run as Ctrl-C does (a KeyboardInterrupt: the end event says `interrupted`,
+an async save in flight settles): torchrun sends it to every other rank when one fails, and
+schedulers (SLURM, Kubernetes) stop jobs with it.
 """
 
 from __future__ import annotations
@@ -20,28 +24,35 @@ import threading
 class CtrlCWatch:
     def __init__(self) -> None:
         self.pressed = False
-        self._previous = None
+        self._reason = ""
+        self._previous: dict[int, object] = {}
 
     def __enter__(self) -> CtrlCWatch:
         self.pressed = False
-        if (threading.current_thread() is threading.main_thread()
-                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
-            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        if threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_signal)
+            if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+                self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_signal)
         return self
 
-    def _on_sigint(self, signum, frame) -> None:
+    def _on_signal(self, signum, frame) -> None:
         self.pressed = True
-        raise KeyboardInterrupt
+        if signum == signal.SIGINT:
+            self._reason = "Ctrl-C"
+            raise KeyboardInterrupt
+        self._reason = "SIGTERM"
+        raise KeyboardInterrupt("SIGTERM: the job was told to stop (torchrun after another rank failed, or a scheduler)")
 
     def check(self) -> None:
-        """Raise KeyboardInterrupt if Ctrl-C was pressed: reached only when the first one was dropped."""
+        """Raise KeyboardInterrupt if Ctrl-C (or SIGTERM) came: reached only when the first one was dropped."""
         if self.pressed:
-            raise KeyboardInterrupt("Ctrl-C, raised again at a step boundary (the first KeyboardInterrupt "
+            raise KeyboardInterrupt(f"{self._reason}, raised again at a step boundary (the first KeyboardInterrupt "
                                     "landed in a finalizer run by the garbage collector, which CPython drops)")
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
         self.pressed = False
         return False

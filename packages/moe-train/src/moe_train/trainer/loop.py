@@ -231,6 +231,10 @@ class Trainer:
         if path is None:
             ckpt.check_not_an_import(self.run_dir)
         else:
+            if self.cfg.parallel.strategy == "fsdp":  # its runtime cannot load one: refused before the start event
+                raise ConfigError(f"parallel.strategy='fsdp': expected 'ddp' to resume train.run_dir="
+                                  f"{self.cfg.train.run_dir} from {path.name} (the FSDP2 baseline loads no "
+                                  "checkpoints); or use another train.run_dir")
             ckpt.check_trainer_metadata(path)
             ckpt.check_same_model(path, self.cfg)
             ckpt.check_not_past_the_end(path, self.cfg.train.steps)
