@@ -17,9 +17,7 @@ process-group timeout, so a mismatched collective fails the test instead of hang
 
 from __future__ import annotations
 
-import importlib
 import os
-import socket
 import sys
 import time
 import traceback
@@ -29,9 +27,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from moe_kernels import AllToAllDispatcher, LocalDispatcher, RouteMap, build_route_map, swiglu_experts
+
+sys.path.insert(0, str(Path(__file__).parent))
+import gloo_spawn  # noqa: E402
 
 pytestmark = pytest.mark.slow
 WORLD = 2
@@ -54,29 +54,7 @@ def _entry(case_fn: str, rank: int, port: int, out_dir: str) -> None:
 
 def _spawn(case_fn: str, out_dir: Path) -> list[dict]:
     """Run case_fn(rank) on WORLD gloo ranks; each rank's result dict, or a failure naming how it ended."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    sys.path.insert(0, str(Path(__file__).parent))  # children unpickle _entry by this module's plain name
-    entry = importlib.import_module(Path(__file__).stem)._entry
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=entry, args=(case_fn, r, port, str(out_dir))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + DEADLINE_S
-    for p in procs:
-        p.join(timeout=max(deadline - time.monotonic(), 0.0))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in hung:
-        procs[r].kill()
-        procs[r].join()
-    assert not hung, f"ranks {hung} did not finish within {DEADLINE_S} s (a collective one rank never joined?)"
-    results = []
-    for r, p in enumerate(procs):
-        f = out_dir / f"rank{r}.pt"
-        assert f.exists(), f"rank {r} died without a result (exit code {p.exitcode}; a gloo abort on mismatched rows?)"
-        results.append(torch.load(f, weights_only=False))
-    return results
+    return gloo_spawn.results_or_fail(gloo_spawn.spawn(__file__, WORLD, out_dir, DEADLINE_S, case_fn), DEADLINE_S)
 
 
 # ---- parity against one process --------------------------------------------------------------------

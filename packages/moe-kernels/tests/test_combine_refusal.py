@@ -19,11 +19,8 @@ and the spawn a deadline, so a rank that does not raise fails the test instead o
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
-import socket
 import sys
-import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -31,9 +28,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from moe_kernels import AllToAllDispatcher, LocalDispatcher, RouteMap, build_route_map, swiglu_experts
+
+sys.path.insert(0, str(Path(__file__).parent))
+import gloo_spawn  # noqa: E402
 
 pytestmark = pytest.mark.slow
 WORLD, BAD = 3, 1  # rank BAD's inputs are damaged, the others' are good
@@ -254,32 +253,12 @@ def _entry(groups: tuple[str, ...], rank: int, port: int, out_dir: str) -> None:
 
 def _spawn(groups: tuple[str, ...], out_dir: Path) -> list[dict]:
     """Each rank's {group: cases}; a rank that hung or died has an "ended" entry saying so."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # children unpickle _entry by this module's plain name: under `uv run pytest` (CI) the module is not
-    # importable by the dotted name pytest gave it
-    sys.path.insert(0, str(Path(__file__).parent))
-    entry = importlib.import_module(Path(__file__).stem)._entry
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=entry, args=(groups, r, port, str(out_dir))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + DEADLINE_S
-    for p in procs:
-        p.join(timeout=max(deadline - time.monotonic(), 0.0))
     results = []
-    for r, p in enumerate(procs):
-        hung = p.is_alive()
-        if hung:
-            p.kill()
-            p.join()
-        f = out_dir / f"rank{r}.pt"
-        res = torch.load(f, weights_only=False) if f.exists() else {}
+    for res, code, hung in gloo_spawn.spawn(__file__, WORLD, out_dir, DEADLINE_S, groups):
         if hung:
             res["ended"] = f"still running after {DEADLINE_S} s (in a collective a peer never joined?)"
-        elif p.exitcode != 0:
-            res["ended"] = f"exit code {p.exitcode} (a gloo abort on mismatched rows?)"
+        elif code != 0:
+            res["ended"] = f"exit code {code} (a gloo abort on mismatched rows?)"
         results.append(res)
     return results
 

@@ -14,11 +14,8 @@
 
 from __future__ import annotations
 
-import importlib
 import os
-import socket
 import sys
-import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -26,9 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from moe_kernels import AllToAllDispatcher, build_route_map, grouped_gemm, swiglu_experts
+
+sys.path.insert(0, str(Path(__file__).parent))
+import gloo_spawn  # noqa: E402
 
 K, M = 16, 8
 
@@ -118,29 +117,7 @@ def _grad_disagreement(rank: int) -> dict:
 
 
 def _spawn(out_dir: Path) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    sys.path.insert(0, str(Path(__file__).parent))  # children unpickle _entry by this module's plain name
-    entry = importlib.import_module(Path(__file__).stem)._entry
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=entry, args=(r, port, str(out_dir))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + DEADLINE_S
-    for p in procs:
-        p.join(timeout=max(deadline - time.monotonic(), 0.0))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in hung:
-        procs[r].kill()
-        procs[r].join()
-    assert not hung, f"ranks {hung} did not finish within {DEADLINE_S} s (a collective one rank never joined?)"
-    results = []
-    for r, p in enumerate(procs):
-        f = out_dir / f"rank{r}.pt"
-        assert f.exists(), f"rank {r} died without a result (exit code {p.exitcode}; a gloo abort?)"
-        results.append(torch.load(f, weights_only=False))
-    return results
+    return gloo_spawn.results_or_fail(gloo_spawn.spawn(__file__, WORLD, out_dir, DEADLINE_S), DEADLINE_S)
 
 
 @pytest.mark.slow

@@ -1,0 +1,53 @@
+"""Running a test file's ranks as spawned gloo processes (shared by the multi-rank tests of this folder).
+
+The test file defines a module-level `_entry(*lead_args, rank, port, out_dir)` that initialises gloo on
+127.0.0.1:port, runs its cases and saves a result dict to out_dir/rank{rank}.pt (also when it fails).
+Children unpickle `_entry` by the test file's plain module name: under `uv run pytest` (CI) the file is
+not importable by the dotted name pytest gave it, so its folder goes on sys.path first.
+"""
+
+from __future__ import annotations
+
+import importlib
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+
+def spawn(test_file: str, world: int, out_dir: Path, deadline_s: float, *lead_args) -> list[tuple[dict, int | None, bool]]:
+    """Per rank: (its saved result dict, or {} if it saved none; its exit code; whether it was still running
+    after deadline_s and was killed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sys.path.insert(0, str(Path(test_file).parent))
+    entry = importlib.import_module(Path(test_file).stem)._entry
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=entry, args=(*lead_args, r, port, str(out_dir))) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + deadline_s
+    for p in procs:
+        p.join(timeout=max(deadline - time.monotonic(), 0.0))
+    runs = []
+    for r, p in enumerate(procs):
+        hung = p.is_alive()
+        if hung:
+            p.kill()
+            p.join()
+        f = Path(out_dir) / f"rank{r}.pt"
+        runs.append((torch.load(f, weights_only=False) if f.exists() else {}, p.exitcode, hung))
+    return runs
+
+
+def results_or_fail(runs: list[tuple[dict, int | None, bool]], deadline_s: float) -> list[dict]:
+    """Each rank's result dict; an AssertionError naming the ranks that hung or died without saving one."""
+    hung = [r for r, (_, _, h) in enumerate(runs) if h]
+    assert not hung, f"ranks {hung} did not finish within {deadline_s} s (a collective one rank never joined?)"
+    for r, (res, code, _) in enumerate(runs):
+        assert res, f"rank {r} died without a result (exit code {code}; a gloo abort on mismatched rows?)"
+    return [res for res, _, _ in runs]
