@@ -31,7 +31,7 @@ import torch.distributed as dist
 from moe_kernels import AllToAllDispatcher, LocalDispatcher, RouteMap, build_route_map, swiglu_experts
 
 sys.path.insert(0, str(Path(__file__).parent))
-import gloo_spawn  # noqa: E402
+import kernels_spawn  # noqa: E402
 
 pytestmark = pytest.mark.slow
 WORLD = 2
@@ -54,7 +54,7 @@ def _entry(case_fn: str, rank: int, port: int, out_dir: str) -> None:
 
 def _spawn(case_fn: str, out_dir: Path) -> list[dict]:
     """Run case_fn(rank) on WORLD gloo ranks; each rank's result dict, or a failure naming how it ended."""
-    return gloo_spawn.results_or_fail(gloo_spawn.spawn(__file__, WORLD, out_dir, DEADLINE_S, case_fn), DEADLINE_S)
+    return kernels_spawn.results_or_fail(kernels_spawn.spawn(__file__, WORLD, out_dir, DEADLINE_S, case_fn), DEADLINE_S)
 
 
 # ---- parity against one process --------------------------------------------------------------------

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from moe_kernels import AllToAllDispatcher, LocalDispatcher, RouteMap, build_route_map, swiglu_experts
 
 sys.path.insert(0, str(Path(__file__).parent))
-import gloo_spawn  # noqa: E402
+import kernels_spawn  # noqa: E402
 
 pytestmark = pytest.mark.slow
 WORLD, BAD = 3, 1  # rank BAD's inputs are damaged, the others' are good
@@ -254,7 +254,7 @@ def _entry(groups: tuple[str, ...], rank: int, port: int, out_dir: str) -> None:
 def _spawn(groups: tuple[str, ...], out_dir: Path) -> list[dict]:
     """Each rank's {group: cases}; a rank that hung or died has an "ended" entry saying so."""
     results = []
-    for res, code, hung in gloo_spawn.spawn(__file__, WORLD, out_dir, DEADLINE_S, groups):
+    for res, code, hung in kernels_spawn.spawn(__file__, WORLD, out_dir, DEADLINE_S, groups):
         if hung:
             res["ended"] = f"still running after {DEADLINE_S} s (in a collective a peer never joined?)"
         elif code != 0:

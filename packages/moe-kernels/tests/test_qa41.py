@@ -27,7 +27,7 @@ import torch.distributed as dist
 from moe_kernels import AllToAllDispatcher, build_route_map, grouped_gemm, swiglu_experts
 
 sys.path.insert(0, str(Path(__file__).parent))
-import gloo_spawn  # noqa: E402
+import kernels_spawn  # noqa: E402
 
 K, M = 16, 8
 
@@ -117,7 +117,7 @@ def _grad_disagreement(rank: int) -> dict:
 
 
 def _spawn(out_dir: Path) -> list[dict]:
-    return gloo_spawn.results_or_fail(gloo_spawn.spawn(__file__, WORLD, out_dir, DEADLINE_S), DEADLINE_S)
+    return kernels_spawn.results_or_fail(kernels_spawn.spawn(__file__, WORLD, out_dir, DEADLINE_S), DEADLINE_S)
 
 
 @pytest.mark.slow

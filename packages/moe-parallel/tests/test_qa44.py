@@ -7,17 +7,14 @@ after helper 44, with FlatParams taking model.named_parameters() as it comes).""
 from __future__ import annotations
 
 import importlib
-import socket
 import sys
-import time
 from pathlib import Path
 
 import pytest
-import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
 worker = importlib.import_module("qa44_worker")
+parallel_spawn = importlib.import_module("parallel_spawn")
 
 WORLD = 2
 DEADLINE_S = 120
@@ -25,21 +22,7 @@ DEADLINE_S = 120
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("qa44")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.spawn(worker.run_rank, args=(WORLD, port, str(out_dir)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + DEADLINE_S
-    while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"{WORLD} ranks did not finish within {DEADLINE_S} s (mismatched collectives?)")
-    results = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    for r, res in enumerate(results):
-        assert "error" not in res, f"rank {r} failed:\n{res['error']}"
-    return results
+    return parallel_spawn.run_ranks(worker.run_rank, WORLD, tmp_path_factory.mktemp("qa44"), DEADLINE_S)
 
 
 @pytest.mark.parametrize("shard", [True, False])

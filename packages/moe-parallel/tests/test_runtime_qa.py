@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
+import parallel_spawn  # noqa: E402
 import runtime_qa_worker as w  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -39,22 +38,7 @@ DEADLINE_S = {3: 150, 6: 240}  # observed ~20 s and ~45 s on 2 CPU cores
 
 
 def spawn(world: int, out_dir: Path) -> list[dict]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.spawn(w.run_rank, args=(world, port, str(out_dir)), nprocs=world, join=False)
-    deadline = time.monotonic() + DEADLINE_S[world]
-    while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"{world} ranks did not finish within {DEADLINE_S[world]} s (mismatched collectives?)")
-    results = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
-    for r, res in enumerate(results):
-        assert "error" not in res, f"rank {r} of {world} failed:\n{res['error']}"
-    return results
+    return parallel_spawn.run_ranks(w.run_rank, world, out_dir, DEADLINE_S[world])
 
 
 @pytest.fixture(scope="module")

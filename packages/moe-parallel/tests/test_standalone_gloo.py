@@ -16,16 +16,13 @@ from __future__ import annotations
 import importlib
 import math
 import os
-import socket
 import sys
-import time
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -40,6 +37,9 @@ from moe_parallel import (
     build_groups,
     expert_parameter_names,
 )
+
+sys.path.insert(0, str(Path(__file__).parent))
+import parallel_spawn  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -239,22 +239,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn_with_deadline(worker, args: tuple) -> None:  # noqa: ANN001
     """Run WORLD ranks; fail instead of hanging when they stop meeting in the same collective
     (ranks that disagree on skipping a step wait for each other for gloo's 30 minutes)."""
-    context = mp.spawn(worker, args=args, nprocs=WORLD, join=False)
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD} ranks did not finish within {SPAWN_DEADLINE_S} s (mismatched collectives?)")
+    parallel_spawn.spawn_with_deadline(worker, args, WORLD, SPAWN_DEADLINE_S)
 
 
 def assemble(pieces: list[dict[str, tuple]]) -> dict[str, torch.Tensor]:
@@ -278,7 +266,7 @@ def ranks(tmp_path_factory):
     # Spawned children unpickle the worker by module name: import this file under its plain name.
     sys.path.insert(0, str(Path(__file__).parent))
     worker = importlib.import_module(Path(__file__).stem)._worker
-    spawn_with_deadline(worker, (free_port(), str(out_dir)))
+    spawn_with_deadline(worker, (parallel_spawn.free_port(), str(out_dir)))
     results = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     for r, res in enumerate(results):
         assert "error" not in res, f"rank {r} failed:\n{res['error']}"

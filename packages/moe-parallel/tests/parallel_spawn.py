@@ -1,0 +1,40 @@
+"""Spawning a test's gloo ranks with a deadline (shared by the multi-rank tests of this folder): ranks that
+stop meeting in the same collective would otherwise wait for gloo's timeout, so the test fails instead."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_with_deadline(worker: Callable, args: tuple, nprocs: int, deadline_s: float) -> None:
+    """mp.spawn(worker, args) on nprocs ranks; pytest.fail, killing them, past deadline_s."""
+    context = mp.spawn(worker, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + deadline_s
+    while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"{nprocs} ranks did not finish within {deadline_s} s (mismatched collectives?)")
+
+
+def run_ranks(run_rank: Callable, world: int, out_dir: Path, deadline_s: float) -> list[dict]:
+    """run_rank(rank, world, port, out_dir) on `world` ranks, each saving a result dict to out_dir/rank{rank}.pt
+    (with an "error" entry if it failed): the dicts, after failing the test on the first rank's error."""
+    spawn_with_deadline(run_rank, (world, free_port(), str(out_dir)), world, deadline_s)
+    results = [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    for r, res in enumerate(results):
+        assert "error" not in res, f"rank {r} of {world} failed:\n{res['error']}"
+    return results
