@@ -31,6 +31,7 @@ from moe_parallel import AdamWConfig, DistributedAdamW, FlatParams, GradientSync
 pytestmark = pytest.mark.slow
 
 WORLD = 2
+SPAWN_DEADLINE_S = 120  # the whole spawn takes ~15 s on 2 CPU cores (as in test_standalone_gloo.py)
 D_IN, D, CLASSES, TOKENS = 6, 16, 5, 8  # TOKENS per rank and micro-batch
 STEPS, MICRO_BATCHES = 4, 2
 ADAMW = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=1.0)
@@ -258,8 +259,8 @@ def ranks(tmp_path_factory):
     # Spawned children unpickle the worker by module name: import this file under its plain name.
     sys.path.insert(0, str(Path(__file__).parent))
     worker = importlib.import_module(Path(__file__).stem)._worker
-    standalone = importlib.import_module("test_standalone_gloo")  # its spawn helper fails instead of hanging
-    standalone.spawn_with_deadline(worker, (standalone.free_port(), str(out_dir)))
+    spawn = importlib.import_module("parallel_spawn")  # fails instead of hanging
+    spawn.spawn_with_deadline(worker, (spawn.free_port(), str(out_dir)), WORLD, SPAWN_DEADLINE_S)
     results = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     for r, res in enumerate(results):
         assert "error" not in res, f"rank {r} failed:\n{res['error']}"
