@@ -75,9 +75,11 @@ class _Layer(nn.Module):
         self.dispatcher = SimpleNamespace(codec=None)  # a plain object, as moe_kernels' dispatchers are
 
 
-def check_refused_expert_parallel_changes_nothing(capacity_factor: float, second_layer_experts: int) -> dict:
-    """ep=2: a later layer that cannot be split (or a bad capacity factor) is refused before any layer changes."""
-    groups = build_groups(ParallelLayout(dp=2, ep=2), num_experts=4, timeout=timedelta(seconds=30))
+def check_refused_expert_parallel_changes_nothing(capacity_factor: float, second_layer_experts: int,
+                                                  ep: int = 2) -> dict:
+    """A later layer that cannot be split (or a bad capacity factor, at ep=1 too, where no dispatcher is built
+    to check it) is refused before any layer changes."""
+    groups = build_groups(ParallelLayout(dp=2, ep=ep), num_experts=4, timeout=timedelta(seconds=30))
     model = nn.ModuleList([_Layer(4), _Layer(second_layer_experts)])
     dispatcher = model[0].dispatcher
     try:
@@ -172,6 +174,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         checks["stale_grad_bf16"] = (check_grad_from_before_flat_params, torch.bfloat16)
         checks["ep_bad_second_layer"] = (check_refused_expert_parallel_changes_nothing, 0.0, 3)
         checks["ep_bad_capacity"] = (check_refused_expert_parallel_changes_nothing, -1.0, 4)
+        checks["ep1_bad_capacity"] = (check_refused_expert_parallel_changes_nothing, -1.0, 4, 1)
         checks["narrow_world"] = (check_optimizer_world_narrower_than_the_gradients,)
         checks["fsdp_nested_lists"] = (check_fsdp_with_nested_module_lists, rank, world)
         checks["finish_twice"] = (check_finish_twice, rank)

@@ -46,6 +46,7 @@ def test_a_grad_held_before_flat_params_is_not_added_into_the_first_step(ranks, 
 @pytest.mark.parametrize("key, message", [
     ("ep_bad_second_layer", "ValueError: 1: num_experts=3 is not divisible by ep=2"),
     ("ep_bad_capacity", "ValueError: capacity_factor=-1.0 must be a finite number >= 0"),
+    ("ep1_bad_capacity", "ValueError: capacity_factor=-1.0 must be a finite number >= 0"),
 ])
 def test_expert_parallel_refused_on_a_later_layer_leaves_every_layer_unchanged(ranks, key, message):
     for r, res in enumerate(ranks):

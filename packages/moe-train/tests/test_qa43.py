@@ -139,3 +139,21 @@ def test_a_one_process_distributed_runtime_does_not_need_port_29500(data_dir, tm
         other.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_a_folder_named_metrics_jsonl_in_the_run_folder_is_refused_naming_it(tmp_path):
+    """The run log is a file there; a folder of that name gave an IsADirectoryError traceback."""
+    (tmp_path / "run" / "metrics.jsonl").mkdir(parents=True)
+    cfg = Config(
+        model=ModelConfig(vocab_size=300, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, dense_hidden=16,
+                          num_experts=2, expert_hidden=8, router=RouterConfig(top_k=1)),
+        data=DataConfig(seq_len=16, cache_dir=str(tmp_path / "cache"), default_vocab_size=300,
+                        default_max_bytes=30_000),
+        train=TrainConfig(steps=1, micro_batch_size=2, warmup_steps=0, eval_interval=0, run_dir=str(tmp_path / "run"),
+                          progress=False),
+        preset="test",
+    )
+    from moe_train.config import ConfigError
+
+    with pytest.raises(ConfigError, match="holds a folder named metrics.jsonl: expected the run's log file there"):
+        Trainer(cfg)

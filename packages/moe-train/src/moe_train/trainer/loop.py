@@ -44,6 +44,9 @@ class Trainer:
         t = cfg.train
         if Path(t.run_dir).exists() and not Path(t.run_dir).is_dir():
             raise ConfigError(f"train.run_dir={t.run_dir!r} is a file: expected a folder (or a path to create one)")
+        if (Path(t.run_dir) / "metrics.jsonl").is_dir():  # the run log is written there, line by line
+            raise ConfigError(f"train.run_dir={t.run_dir!r} holds a folder named metrics.jsonl: expected the run's "
+                              "log file there (move the folder, or use another train.run_dir)")
         d = cfg.data
         if d.path == "default" and d.default_vocab_size > cfg.model.vocab_size:  # known before tokenizing the corpus
             raise ConfigError(f"data.default_vocab_size={d.default_vocab_size}: expected <= model.vocab_size="
