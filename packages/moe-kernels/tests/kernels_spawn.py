@@ -1,6 +1,6 @@
 """Running a test file's ranks as spawned gloo processes (shared by the multi-rank tests of this folder).
 
-The test file defines a module-level `_entry(*lead_args, rank, port, out_dir)` that initialises gloo on
+The test file defines a module-level `_entry(*lead_args, rank, port, out_dir)` (or another name) that initialises gloo on
 127.0.0.1:port, runs its cases and saves a result dict to out_dir/rank{rank}.pt (also when it fails).
 Children unpickle `_entry` by the test file's plain module name: under `uv run pytest` (CI) the file is
 not importable by the dotted name pytest gave it, so its folder goes on sys.path first.
@@ -18,16 +18,17 @@ import torch
 import torch.multiprocessing as mp
 
 
-def spawn(test_file: str, world: int, out_dir: Path, deadline_s: float, *lead_args) -> list[tuple[dict, int | None, bool]]:
-    """Per rank: (its saved result dict, or {} if it saved none; its exit code; whether it was still running
-    after deadline_s and was killed)."""
+def spawn(test_file: str, world: int, out_dir: Path, deadline_s: float, *lead_args,
+          entry: str = "_entry") -> list[tuple[dict, int | None, bool]]:
+    """Run test_file's function `entry` (default `_entry`) on every rank. Per rank: (its saved result dict, or
+    {} if it saved none; its exit code; whether it was still running after deadline_s and was killed)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     sys.path.insert(0, str(Path(test_file).parent))
-    entry = importlib.import_module(Path(test_file).stem)._entry
+    target = getattr(importlib.import_module(Path(test_file).stem), entry)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=entry, args=(*lead_args, r, port, str(out_dir))) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(*lead_args, r, port, str(out_dir))) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + deadline_s

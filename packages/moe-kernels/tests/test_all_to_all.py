@@ -6,20 +6,19 @@ capacity drops); each rank reports max errors and the parent asserts on them.
 
 from __future__ import annotations
 
-import importlib
 import os
-import socket
 import sys
-import time
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from moe_kernels import AllToAllDispatcher, LocalDispatcher, build_route_map, swiglu_experts
+
+sys.path.insert(0, str(Path(__file__).parent))
+import kernels_spawn  # noqa: E402
 
 pytestmark = pytest.mark.slow
 WORLD, E, D, H, K = 2, 8, 16, 8, 2
@@ -103,20 +102,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("a2a")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # Spawned children unpickle the worker by module name: import this file under its plain name.
-    sys.path.insert(0, str(Path(__file__).parent))
-    worker = importlib.import_module(Path(__file__).stem)._worker
-    context = mp.spawn(worker, args=(port, str(out_dir)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD} ranks did not finish within {SPAWN_DEADLINE_S} s (mismatched collectives?)")
-    res = [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
+    runs = kernels_spawn.spawn(__file__, WORLD, out_dir, SPAWN_DEADLINE_S, entry="_worker")
+    res = kernels_spawn.results_or_fail(runs, SPAWN_DEADLINE_S)
     for r, x in enumerate(res):
         assert "error" not in x, f"rank {r}:\n{x['error']}"
     return res

@@ -13,9 +13,7 @@
 
 from __future__ import annotations
 
-import importlib
 import os
-import socket
 import sys
 import time
 import traceback
@@ -25,9 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from moe_kernels import AllToAllDispatcher, build_route_map, grouped_gemm, moe_ffn, swiglu_experts
+
+sys.path.insert(0, str(Path(__file__).parent))
+import kernels_spawn  # noqa: E402
 
 E, D, H = 3, 16, 8  # fp32 rows of 64 / 32 bytes: torch's CPU grouped_mm takes them
 
@@ -124,25 +124,8 @@ def _other_num_experts_on_rank1(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_route_map_over_another_num_experts_on_one_rank_raises_on_every_rank(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # children unpickle the worker by this module's plain name: under `uv run pytest` (CI) the module is not
-    # importable by the dotted name pytest gave it
-    sys.path.insert(0, str(Path(__file__).parent))
-    worker = importlib.import_module(Path(__file__).stem)._other_num_experts_on_rank1
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker, args=(r, port, str(tmp_path))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + DEADLINE_S
-    for p in procs:
-        p.join(timeout=max(deadline - time.monotonic(), 0.0))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    runs = kernels_spawn.spawn(__file__, WORLD, tmp_path, DEADLINE_S, entry="_other_num_experts_on_rank1")
+    results = kernels_spawn.results_or_fail(runs, DEADLINE_S)
     for r, res in enumerate(results):
         assert "error" not in res, f"rank {r}:\n{res['error']}"
         assert res["bad"].startswith("ValueError"), f"rank {r}: {res['bad']}"

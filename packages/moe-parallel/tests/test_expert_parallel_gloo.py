@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 import sys
-import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -24,7 +22,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from moe_kernels import LocalDispatcher, build_route_map, swiglu_experts
@@ -139,29 +136,13 @@ def _entry(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("ep_layouts")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     sys.path.insert(0, str(Path(__file__).parent))  # children unpickle _entry by this module's plain name
     entry = importlib.import_module(Path(__file__).stem)._entry
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=entry, args=(r, port, str(out_dir))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + DEADLINE_S
-    for p in procs:
-        p.join(timeout=max(deadline - time.monotonic(), 0.0))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in hung:
-        procs[r].kill()
-        procs[r].join()
-    assert not hung, f"ranks {hung} did not finish within {DEADLINE_S} s (mismatched collectives?)"
-    res = []
-    for r, p in enumerate(procs):
-        f = out_dir / f"rank{r}.pt"
-        assert f.exists(), f"rank {r} died without a result (exit code {p.exitcode})"
-        res.append(torch.load(f, weights_only=False))
-        assert "error" not in res[-1], f"rank {r}:\n{res[-1]['error']}"
+    spawn = importlib.import_module("parallel_spawn")
+    spawn.spawn_with_deadline(entry, (spawn.free_port(), str(out_dir)), WORLD, DEADLINE_S)
+    res = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    for r, x in enumerate(res):
+        assert "error" not in x, f"rank {r}:\n{x['error']}"
     return res
 
 
