@@ -117,6 +117,7 @@ class AllToAllDispatcher:
         self.capacity_factor = capacity_factor
         self.codec = codec or IdentityCodec()
         self._dispatches = 0  # counted on entry, so every EP rank counts alike, refused calls included
+        self._experts_agreed = False  # checked at the first dispatch, one small collective
 
     def dispatch(self, x: torch.Tensor, route_map: RouteMap) -> DispatchResult:
         """x: [T, d] -> rows [N_kept, d] for the local experts, offsets [E_local] int32.
@@ -129,6 +130,8 @@ class AllToAllDispatcher:
         """
         ep, e_local = self.ep_size, self.num_local_experts
         self._dispatches += 1
+        if not self._experts_agreed:
+            self._require_same_num_experts()
         problem: Exception | None = None
         payload = None
         try:
@@ -176,6 +179,15 @@ class AllToAllDispatcher:
         ctx = AllToAllContext(route_map, send_splits, recv_splits, local_to_recv, num_recv, num_kept, self,
                               self._dispatches)
         return DispatchResult(rows, offsets, ctx, dropped)
+
+    def _require_same_num_experts(self) -> None:
+        """Every EP rank's dispatcher must split the same experts: the count exchange is [ep, E/ep + header]
+        int64, so a rank with another num_experts sends another size, and gloo aborts the process (NCCL
+        reads past the buffer). One gather of one int64 per rank, at the first dispatch only."""
+        table = gather_or_raise("dispatch", None, [self.num_experts], self.group, refused_device(self.group))
+        require_agreement([f"num_experts={row[0]}" for row in table], "the experts they split",
+                          "every EP rank's AllToAllDispatcher must be built with the same num_experts")
+        self._experts_agreed = True
 
     def _counts_and_header(
         self, x: torch.Tensor, route_map: RouteMap, payload: torch.Tensor | None, problem: Exception | None

@@ -37,7 +37,11 @@ def checked_offsets(offsets: torch.Tensor, num_rows: int, device: torch.device, 
         raise ValueError(f"offsets must be int32 (or int64) cumulative row ends, got dtype={offsets.dtype}")
     if num_experts == 0 and num_rows != 0:  # no expert owns them: the kernels would leave them unwritten
         raise ValueError(f"there are {num_rows} rows but no experts (E=0): nothing would compute them")
-    if offsets.device.type == "cpu":
+    if offsets.device.type == "cpu" and torch.compiler.is_compiling():  # a traced graph cannot branch on data
+        steps = torch.diff(offsets, prepend=offsets.new_zeros(1))
+        ends_ok = (steps >= 0).all() & (offsets[-1:] == num_rows).all() if num_experts else num_rows == 0
+        torch._assert_async(torch.as_tensor(ends_ok), f"offsets must be non-decreasing cumulative row ends from 0 that end at the number of rows, {num_rows}")
+    elif offsets.device.type == "cpu":
         _check_ends(offsets.tolist(), num_rows)
     # the kernels read the offsets as a flat array (a strided view would give wrong experts), and
     # grouped_mm wants stride 1 even for E = 1, where .contiguous() keeps a view's stride
@@ -113,15 +117,22 @@ def require_torch_grouped_mm(x: torch.Tensor, w: torch.Tensor, in_cols: int | No
         )
 
 
-def _contiguous_grad(grad: torch.Tensor) -> torch.Tensor:
-    return dense_rows(grad)
+class _DenseRowsGrad(torch.autograd.Function):
+    """Identity forward; the gradient leaves with row-major strides, which grouped_mm's backward
+    needs (an autograd.Function rather than a tensor hook, so torch.compile traces it whole)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return dense_rows(grad)
 
 
 def grouped_gemm_torch(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     out = torch._grouped_mm(dense_rows(x), w, offs=offsets)
-    if out.requires_grad:
-        out.register_hook(_contiguous_grad)
-    return out
+    return _DenseRowsGrad.apply(out) if out.requires_grad else out
 
 
 def grouped_gemm(
