@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import pickle
+import subprocess
+import sys
 
 import pytest
 from ckpt_cases import bits_equal, make_state, run_ranks, shards_for
@@ -133,3 +135,15 @@ def test_reading_a_checkpoint_whose_save_never_committed_says_so(saved):
     with pytest.raises(IncompleteCheckpointError, match=rf"{run / 'nowhere'} does not exist: not a checkpoint"):
         load_checkpoint(run / "nowhere")
     assert load_metadata(run)["step"] == 4  # the run folder still resolves to its committed checkpoint
+
+
+def test_python_m_moe_ckpt_prints_the_summary_without_warnings_and_refuses_a_non_checkpoint(saved, tmp_path):
+    """`python -m moe_ckpt.summary` ran the module twice (runpy's RuntimeWarning, as the package imports it)."""
+    run, _, _ = saved
+    cmd = [sys.executable, "-W", "error", "-m", "moe_ckpt"]
+    good = subprocess.run([*cmd, str(run)], capture_output=True, text=True, timeout=60)
+    assert good.returncode == 0 and good.stderr == "", good.stderr
+    assert good.stdout == format_checkpoint(run) + "\n"
+    bad = subprocess.run([*cmd, str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and bad.stdout == "", (bad.returncode, bad.stdout)
+    assert bad.stderr == f"python -m moe_ckpt: {tmp_path / 'nowhere'} does not exist: not a checkpoint\n", bad.stderr

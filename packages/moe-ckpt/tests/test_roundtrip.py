@@ -77,6 +77,20 @@ def test_load_into_out_fills_it_in_place(tmp_path):
     assert got["experts.w1"] is out and bits_equal(out, state["experts.w1"][4:8])
 
 
+@pytest.mark.parametrize("region", [FlatRange(5, 12), Box((0, 1, 0), (2, 2, 3))], ids=["flat", "box"])
+def test_load_into_a_strided_out_fills_it_in_place(tmp_path, region):
+    """flat: a transposed [3, 4] `out` for a 12-element range; the assembly's `out.view(-1)` raised torch's
+    "view size is not compatible" error. box: a permuted `out` of the box's own shape (read before too).
+    Both read across the two ranks' pieces, so the assembly path runs."""
+    t = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)
+    shards = lambda r: [ShardSpec("t", (2, 3, 4), t[:, :, 2 * r : 2 * r + 2], Box((0, 0, 2 * r), (2, 3, 2)))]
+    run_ranks(2, lambda r, bar: save_checkpoint(tmp_path / "ck", shards(r), None, r, 2, bar))
+    want = t.reshape(-1)[5:17] if isinstance(region, FlatRange) else t[:, 1:3, 0:3]
+    out = torch.zeros(4, 3).t() if isinstance(region, FlatRange) else torch.zeros(3, 2, 2).permute(2, 1, 0)
+    got = load_checkpoint(tmp_path / "ck", [LoadRequest("t", region=region, out=out)])["t"]
+    assert got is out and torch.equal(out.reshape(-1), want.reshape(-1))
+
+
 def test_metadata_and_rng_state_round_trip_through_json(tmp_path):
     import random
 

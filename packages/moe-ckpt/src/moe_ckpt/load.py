@@ -10,6 +10,7 @@ reads; `load_checkpoint` is one read through it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 from collections import Counter
@@ -254,6 +255,9 @@ def _assemble(index: Index, files: _Files, req: LoadRequest, device, require_fin
     if dest is not None and (dest.dtype != dtype or dest.numel() != region.numel):
         raise ValueError(f"tensor {req.name!r}: out has {tuple(dest.shape)} {dest.dtype}, "
                          f"needs {region.local_shape} {dtype}")
+    if dest is not None and not _views_of(dest, region):  # e.g. a transposed buffer for a flat range
+        got = _assemble(index, files, dataclasses.replace(req, out=None), dest.device, require_finite, True)
+        return dest.copy_(got.reshape(dest.shape))
     whole = _contained_read(files, entry.pieces, region, entry.shape)
     if whole is not None and require_finite:
         _check_finite(files.path, req.name, region, whole)
@@ -296,6 +300,15 @@ def _assemble(index: Index, files: _Files, req: LoadRequest, device, require_fin
     for view, where, data in checked:
         view[where] = data
     return dest
+
+
+def _views_of(dest: torch.Tensor, region: Region) -> bool:
+    """Whether the assembly's views of `out` exist: its shape as the region's box, or it flattened."""
+    try:
+        dest.view(region.lengths) if isinstance(region, Box) else dest.view(-1)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _contained_read(files: _Files, pieces: list[Piece], region: Region, shape: tuple[int, ...]):

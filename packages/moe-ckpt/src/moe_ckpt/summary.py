@@ -43,8 +43,3 @@ def format_checkpoint(path: str | Path) -> str:
         lines.append(f"  {name:<{width}}  {t['dtype']:<9} {str(tuple(t['shape'])):<20} {len(t['pieces'])} pieces")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    import sys
-
-    print(format_checkpoint(sys.argv[1]))
