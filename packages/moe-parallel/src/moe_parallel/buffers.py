@@ -73,6 +73,14 @@ class FlatParams:
         bucket_numel: int = 1 << 25,
     ):
         named_params = list(named_params)  # model.named_parameters() is a generator
+        for i, entry in enumerate(named_params):
+            # a bare tensor (model.parameters()) would be unpacked along its first dim: two rows pass as a pair
+            if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str)
+                    and isinstance(entry[1], torch.Tensor)):
+                raise ValueError(
+                    f"FlatParams: named_params[{i}] is a {type(entry).__name__}, expected a (name, parameter) pair "
+                    "(pass model.named_parameters(), not model.parameters())"
+                )
         if not named_params:
             raise ValueError("FlatParams needs at least one parameter")
         dtypes = {p.dtype for _, p in named_params}

@@ -85,6 +85,22 @@ class GradientSync:
 
     def begin_backward(self, final: bool) -> None:
         """Call before each micro-batch's backward; final=True on the last of the optimizer step."""
+        # Refused the same way on every rank (they make the same calls): after the last micro-batch's backward its
+        # buckets may already be reducing, and after finish() the reduced gradients await step(); another micro-batch
+        # would be dropped from the reduction, counted twice (an all-reduce runs in place) or added to reduced ones.
+        if self.final:
+            raise RuntimeError(
+                f"GradientSync.begin_backward(final={final!r}) after begin_backward(final=True) without finish(): the "
+                "last micro-batch's reductions may already be launched; expected final=False for every micro-batch "
+                "but the last, final=True once, then finish() (or zero_grads() to abandon the step)"
+            )
+        reduced = [i for i, flat in enumerate(self.flats) if flat.reduced]
+        if reduced:
+            raise RuntimeError(
+                f"GradientSync.begin_backward(final={final!r}): the gradients of flats{reduced} were reduced by "
+                "finish() and not yet used; expected the optimizer step (or zero_grads()) before the next "
+                "micro-batch's backward"
+            )
         self.final = final
         if final:
             self._arm()
@@ -152,6 +168,15 @@ class GradientSync:
         self._arm()
 
     def zero_grads(self) -> None:
+        """Zero every gradient buffer. Also abandons a step begun with begin_backward(final=True) and never
+        finished (a backward that raised, a skipped micro-batch): reductions it launched are waited for, on
+        every rank alike, and their result dropped, so the next begin_backward starts a fresh step."""
+        for flat in self.flats:
+            for bucket in flat.buckets:
+                if bucket.handle is not None:
+                    bucket.handle.wait()
+        self.final = False
+        self._arm()
         for flat in self.flats:
             flat.zero_grads()
 

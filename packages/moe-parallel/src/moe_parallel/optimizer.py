@@ -1,4 +1,4 @@
-"""Distributed AdamW (ZeRO-1): fp32 master weights and moments sharded like the gradients.
+"""Distributed AdamW (ZeRO-1): fp32 master weights and moments sharded like the gradients (fp64 for fp64 weights).
 
 Each rank updates only the shard of every bucket it owns (after the gradient reduce-scatter),
 then all-gathers the updated shard into the model's flat parameter buffer, so every replica
@@ -111,6 +111,8 @@ class DistributedAdamW:
         self._step_count = 0
         self.skipped_steps = 0
         self.states: list[list[_ShardState]] = [[self._init_shard(f, b) for b in f.buckets] for f in flats]
+        # the global norm in fp32, or fp64 when a group's masters are (the same on every rank: dtypes are checked)
+        self._norm_dtype = torch.float64 if any(_master_dtype(f) == torch.float64 for f in flats) else torch.float32
         # Per flat and slot (torch AdamW's state["step"]): only parameters that received a gradient advance.
         self.param_steps: list[list[int]] = [[0] * len(f.slots) for f in flats]
 
@@ -151,7 +153,8 @@ class DistributedAdamW:
     @staticmethod
     def _init_shard(flat: FlatParams, bucket: Bucket) -> _ShardState:
         lo, hi = bucket.shard_start, bucket.shard_start + bucket.shard_numel
-        master = flat.param_buffer[lo:hi].to(torch.float32, copy=True)
+        # fp32, or the weights' own dtype when wider (fp64 weights kept at fp32 precision would drift from torch AdamW)
+        master = flat.param_buffer[lo:hi].to(_master_dtype(flat), copy=True)
         decay, no_decay = [], []
         for slot in bucket.slots:
             a, b = max(lo, slot.start), min(hi, slot.start + slot.numel)
@@ -160,8 +163,8 @@ class DistributedAdamW:
         return _ShardState(master, torch.zeros_like(master), torch.zeros_like(master), decay, no_decay)
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank: fp32 master + both moments (12 B per owned element)."""
-        return sum(s.master.numel() * 3 * 4 for states in self.states for s in states)
+        """Bytes of optimizer state on this rank: fp32 master + both moments (12 B per owned element; 24 for fp64)."""
+        return sum(s.master.numel() * 3 * s.master.element_size() for states in self.states for s in states)
 
     @torch.no_grad()
     def global_grad_norm(self) -> torch.Tensor:
@@ -169,11 +172,11 @@ class DistributedAdamW:
         return self._reduce_over_world(self._local_squared_norm()).sqrt()
 
     def _local_squared_norm(self) -> torch.Tensor:
-        sq = torch.zeros((), dtype=torch.float32, device=self.flats[0].param_buffer.device)
+        sq = torch.zeros((), dtype=self._norm_dtype, device=self.flats[0].param_buffer.device)
         for flat in self.flats:
             if flat.owns_unique_shard:
                 for b in flat.buckets:
-                    g = b.grad_shard.float()
+                    g = b.grad_shard.to(self._norm_dtype)
                     sq += torch.dot(g, g)
         return sq
 
@@ -186,7 +189,7 @@ class DistributedAdamW:
     def _norm_and_received(self) -> tuple[float, list[list[bool]]]:
         """The global norm, and per flat and slot whether any rank gave the parameter a gradient (one all-reduce)."""
         flags = torch.tensor([float(slot.has_grad) for flat in self.flats for slot in flat.slots],
-                             device=self.flats[0].param_buffer.device)
+                             dtype=self._norm_dtype, device=self.flats[0].param_buffer.device)
         both = torch.cat([self._local_squared_norm().view(1), flags])
         self._reduce_over_world(both)[0].sqrt_()
         values = both.tolist()  # the one host sync of the step: skip or not must be known on the host
@@ -232,8 +235,7 @@ class DistributedAdamW:
                 if n not in step_tensors:
                     step_tensors[n] = torch.full((), float(n), dtype=torch.float32, device=device)
             for bucket, st in zip(flat.buckets, states):
-                g = bucket.grad_shard
-                g = g.float() if g.dtype != torch.float32 else g
+                g = bucket.grad_shard.to(st.master.dtype)  # no copy when the dtypes match
                 for pieces, decay in ((st.decay, cfg.weight_decay), (st.no_decay, 0.0)):
                     ranges = _received_ranges(pieces, got, steps)
                     if ranges:
@@ -260,6 +262,11 @@ class DistributedAdamW:
         for flat, states in zip(self.flats, self.states):
             for bucket, st in zip(flat.buckets, states):
                 st.master.copy_(flat.param_buffer[bucket.shard_start : bucket.shard_start + bucket.shard_numel])
+
+
+def _master_dtype(flat: FlatParams) -> torch.dtype:
+    """fp32 masters for bf16 / fp16 / fp32 weights; fp64 weights keep fp64 masters."""
+    return torch.promote_types(flat.param_dtype, torch.float32)
 
 
 def _is_real(value: object) -> bool:

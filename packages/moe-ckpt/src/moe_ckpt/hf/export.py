@@ -94,10 +94,16 @@ def export_hf_folder(
     """
     if dtype not in DTYPES:
         raise HFConversionError(f"dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
+    if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool) or max_shard_bytes < 1:
+        raise HFConversionError(f"max_shard_bytes={max_shard_bytes!r}: expected a number of bytes, an integer >= 1")
     start = time.perf_counter()
-    model_type = choose_model_type(model_config, allow_benchmark_routing)
-    hf_config = to_hf_config(model_config, model_type, dtype, extra_config)
-    plan = build_plan(model_config, model_type)
+    try:
+        model_type = choose_model_type(model_config, allow_benchmark_routing)
+        hf_config = to_hf_config(model_config, model_type, dtype, extra_config)
+        plan = build_plan(model_config, model_type)
+    except KeyError as e:
+        raise HFConversionError(f"model_config has no {e}: expected moe-train's model config as a dict "
+                                "(Config.to_dict()['model'])") from None
     _warn_unaligned_experts(model_config, dtype, out_dir)
     shard_of, total = _assign_shards(plan, dtype, max_shard_bytes)
     n_shards = shard_of[-1] + 1
@@ -110,6 +116,7 @@ def export_hf_folder(
                                 "expected a tokenizers tokenizer.json")
     if tokenizer_json is not None:
         _added_tokens(Path(tokenizer_json))  # a damaged file fails here too, not after every shard is written
+        _check_tokenizer_fits(Path(tokenizer_json), model_config["vocab_size"])
     _clean_leftovers(final)
     _check_replaceable(final)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -155,6 +162,12 @@ def _check_replaceable(final: Path) -> None:
         return
     if not final.is_dir():
         raise HFConversionError(f"out_dir={str(final)!r} is a file; expected a folder to write the export into")
+    if os.path.samefile(final, os.curdir):
+        # '.' cannot be renamed (EBUSY); the same folder by its path is renamed aside and deleted, leaving this process
+        # (and a shell in it) in a deleted folder that os.getcwd() no longer finds.
+        raise HFConversionError(
+            f"out_dir={str(final)!r} is the current directory ({os.getcwd()}): the export renames a new folder into "
+            "out_dir's place, which would leave this process in a deleted folder; run from another directory")
     foreign = sorted(p.name for p in final.iterdir() if not (p.is_file() and _is_export_file(p.name)))
     if foreign:
         raise HFConversionError(
@@ -304,6 +317,29 @@ def write_tokenizer(out: Path, tokenizer_json: str | Path, hf_config: dict[str, 
         if token_id in added:
             tok_config[f"{key}_token"] = added[token_id]
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, sort_keys=True) + "\n")
+
+
+def _largest_token_id(tokenizer_json: Path) -> int | None:
+    """The largest id tokenizer.json can produce: its model's vocabulary (a {token: id} object for BPE, WordPiece
+    and WordLevel, a [[token, score], ...] list for Unigram) and its added tokens; None when it lists none."""
+    model = read_json_object(tokenizer_json).get("model")
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    ids = [i for i in [*_added_tokens(tokenizer_json), *(vocab.values() if isinstance(vocab, dict) else ())]
+           if isinstance(i, int)]
+    if isinstance(vocab, list) and vocab:
+        ids.append(len(vocab) - 1)
+    return max(ids, default=None)
+
+
+def _check_tokenizer_fits(tokenizer_json: Path, vocab_size: int) -> None:
+    """A token id the model has no embedding row for fails in transformers on the first text that holds it
+    ('index out of range in self'): refused before any shard is written."""
+    largest = _largest_token_id(tokenizer_json)
+    if largest is not None and largest >= vocab_size:
+        raise HFConversionError(
+            f"tokenizer_json={str(tokenizer_json)!r} has token ids up to {largest}, but model.vocab_size={vocab_size}: "
+            f"transformers fails on any text holding an id >= {vocab_size} (index out of range); expected a tokenizer "
+            f"whose ids are all below {vocab_size} (the one the model was trained with)")
 
 
 def _added_tokens(tokenizer_json: Path) -> dict[int, str]:

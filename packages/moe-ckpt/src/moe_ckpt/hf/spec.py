@@ -175,6 +175,32 @@ def has_output_bias(model_type: str) -> bool:
     return model_type in ("llama", "qwen3", "qwen3_moe")
 
 
+def _is_token_id(value: Any, vocab_size: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
+
+
+def _checked_extra(extra: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+    """`extra` (EXTRA_KEYS for config.json), each key and value checked: a key config.json would not get (a typo)
+    and a token id transformers cannot embed (past the vocabulary, negative, not an integer) are refused by name.
+    eos_token_id may be a list of ids (transformers stops at any of them); None is an unknown id."""
+    for key, value in extra.items():
+        if key not in EXTRA_KEYS:
+            raise HFConversionError(f"extra_config key {key!r}={value!r}: expected only {', '.join(EXTRA_KEYS)}")
+        if key == "max_position_embeddings":
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            expected = "an integer >= 1 (the context length)"
+        else:
+            ids = value if key == "eos_token_id" and isinstance(value, list) and value else [value]
+            no_pad = key == "pad_token_id" and value == -1 and not isinstance(value, bool)  # older Llama configs
+            ok = value is None or no_pad or all(_is_token_id(i, vocab_size) for i in ids)
+            expected = (f"null or a token id: an integer in [0, {vocab_size}) (model.vocab_size={vocab_size})"
+                        + (", or a non-empty list of them" if key == "eos_token_id" else "")
+                        + (", or -1 (no padding token)" if key == "pad_token_id" else ""))
+        if not ok:
+            raise HFConversionError(f"extra_config {key}={value!r}: expected {expected}")
+    return dict(extra)
+
+
 def to_hf_config(m: dict[str, Any], model_type: str, dtype: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """config.json for our model dict `m` as `model_type`; `extra` supplies EXTRA_KEYS (token ids, max length)."""
     if dtype not in DTYPES:
@@ -196,7 +222,7 @@ def to_hf_config(m: dict[str, Any], model_type: str, dtype: str, extra: dict[str
     # Token ids are written even when unknown (null): a missing key is the class default, which for Llama
     # is bos 1 / eos 2 (ordinary tokens of our vocabularies, where generation would stop).
     c.update({k: None for k in EXTRA_KEYS}, **DEFAULT_EXTRA)
-    c.update({k: v for k, v in (extra or {}).items() if k in EXTRA_KEYS})
+    c.update(_checked_extra(extra or {}, m["vocab_size"]))
     if model_type == "llama":
         c.update(attention_bias=attention_bias(m), mlp_bias=False)
     elif model_type == "qwen3":

@@ -125,12 +125,19 @@ MAX_WORD_CHARS = 256
 
 # A byte-level BPE starts from the 256 byte tokens and the end-of-text token.
 MIN_BPE_VOCAB = 257
+# tokenizers' BPE trainer reserves 45-66 bytes for every token asked for before it reads a word, and aborts the
+# process (a Rust out-of-memory backtrace, no Python error) when the system refuses: 2**31 asked for 141 GB,
+# 10**11 for 4.5 TB. 2**20 (under 70 MB) is four times the largest real vocabularies (~256K).
+MAX_BPE_VOCAB = 2**20
 
 
 def train_bpe(docs: Iterable[str], vocab_size: int) -> Tokenizer:
     if vocab_size < MIN_BPE_VOCAB:
         raise DataError(f"vocab_size={vocab_size}: expected >= {MIN_BPE_VOCAB} (a byte-level BPE holds the 256 byte "
                         f"tokens and {EOS})")
+    if vocab_size > MAX_BPE_VOCAB:
+        raise DataError(f"vocab_size={vocab_size}: expected <= {MAX_BPE_VOCAB} (2**20; the BPE trainer reserves "
+                        "memory for every token asked for, and real vocabularies are far smaller)")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(rf"\S{{{MAX_WORD_CHARS}}}"), behavior="isolated"),
@@ -279,6 +286,8 @@ def prepare_data(
     with none of them is refused)."""
     if eos_token is not None and tokenizer_path is None:
         raise DataError(f"eos_token={eos_token!r} without a tokenizer: the BPE trained here ends documents with {EOS!r}")
+    if not 0 < eval_fraction < 1:  # eval_blocks holds out every round(1 / eval_fraction)-th block
+        raise DataError(f"eval_fraction={eval_fraction!r}: expected in (0, 1), the share of tokens held out for eval")
     out = Path(os.path.abspath(out)) if Path(out).name in ("", "..") else Path(out)  # "--out ." has a name to rename
     if tokenizer_path is None and iter(docs) is docs:
         raise TypeError(f"docs is a one-shot iterator ({type(docs).__name__}), and training a BPE reads the documents "

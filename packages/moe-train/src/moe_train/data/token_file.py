@@ -115,6 +115,9 @@ def _read_meta(path: Path) -> dict:
 def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, TokenSplit]]:
     """Open a data folder and check every token id is < vocab_size (the model's)."""
     root = Path(folder)
+    if root.exists() and not root.is_dir():
+        raise DataError(f"data.path={str(root)!r} is a file: expected a data folder written by `moe-train "
+                        "prepare-data` (run it on the file to make one)")
     if not root.is_dir():
         raise DataError(f"data.path={str(root)!r} does not exist (run `moe-train prepare-data` to make one)")
     meta_path = root / "meta.json"
