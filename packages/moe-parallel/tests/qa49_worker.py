@@ -69,6 +69,26 @@ def check_abandon_with_zero_grads(rank: int, world: int, shard: bool) -> dict:
     return out
 
 
+def check_next_step_without_zero_grads(rank: int, world: int, shard: bool) -> dict:
+    """A step, then model.zero_grad() alone (not sync.zero_grads()): `unused` got a gradient in step 1 and none in
+    step 2, and its old gradient and "received" flag were still in the flat, so step 2 updated it again."""
+    used, unused = nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(4))
+    model = nn.ParameterList([used, unused])
+    flat = FlatParams([("used", used), ("unused", unused)], dist.group.WORLD, shard=shard)
+    sync = GradientSync([flat], divisor=world)
+    opt = DistributedAdamW([flat], AdamWConfig(lr=0.1, weight_decay=0.0, grad_clip=0.0), world=dist.group.WORLD)
+    sync.begin_backward(final=True)
+    (used + unused).sum().backward()
+    sync.finish()
+    opt.step()
+    model.zero_grad()
+    out = {"next_step": _outcome(lambda: sync.begin_backward(final=True))}
+    sync.zero_grads()
+    out["after_zero_grads"] = _outcome(lambda: sync.begin_backward(final=True))
+    sync.remove_hooks()
+    return out
+
+
 def check_begin_backward_before_step(rank: int, world: int, shard: bool) -> dict:
     """finish(), then another micro-batch's backward before the step: with an unsharded optimizer the reduced
     gradient is the .grad buffer, so the step would use it plus this rank's new, unreduced gradient."""
@@ -174,6 +194,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
                                                                        second_final)
             checks[f"before_step_shard={shard}"] = (check_begin_backward_before_step, rank, world, shard)
             checks[f"abandon_shard={shard}"] = (check_abandon_with_zero_grads, rank, world, shard)
+            checks[f"no_zero_grads_shard={shard}"] = (check_next_step_without_zero_grads, rank, world, shard)
             checks[f"fp64_shard={shard}"] = (check_fp64, rank, world, shard)
         checks["unnamed"] = (check_unnamed_parameters,)
         for key, (fn, *args) in checks.items():

@@ -64,6 +64,17 @@ def test_zero_grads_abandons_a_step_begun_as_final_and_the_next_step_reduces_onl
 
 
 @pytest.mark.parametrize("shard", [True, False])
+def test_the_next_step_without_sync_zero_grads_is_refused(ranks, shard):
+    for r, res in enumerate(ranks):
+        got = res[f"no_zero_grads_shard={shard}"]
+        assert isinstance(got, dict), f"rank {r}: {got}"
+        assert got["next_step"].startswith(
+            "RuntimeError: GradientSync.begin_backward(final=True): the gradients of flats[0] were used by the last "
+            "optimizer step and not cleared; expected sync.zero_grads()"), f"rank {r}: {got['next_step']}"
+        assert got["after_zero_grads"] == "accepted", f"rank {r}: {got['after_zero_grads']}"
+
+
+@pytest.mark.parametrize("shard", [True, False])
 def test_fp64_weights_keep_fp64_masters_and_match_torch_adamw_in_fp64(ranks, shard):
     ref = worker.fp64_reference(WORLD)
     for r, res in enumerate(ranks):

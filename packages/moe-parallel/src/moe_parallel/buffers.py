@@ -108,6 +108,7 @@ class FlatParams:
             "FlatParams: the parameters", device,
         )
         self.reduced = False  # GradientSync.finish() reduced the gradients; cleared by zero_grads() and the optimizer step
+        self.stepped = False  # an optimizer step used the gradients, which zero_grads() has not cleared since
         self.slots: list[ParamSlot] = []
         self.buckets: list[Bucket] = []
         # Reverse order: gradients become ready roughly last layer first.
@@ -194,6 +195,7 @@ class FlatParams:
     def zero_grads(self) -> None:
         self.grad_buffer.zero_()
         self.reduced = False
+        self.stepped = False
         for slot in self.slots:
             slot.has_grad = False
             if not self.grads_bound:  # a .grad from before FlatParams was built would be added into the next step

@@ -94,6 +94,14 @@ class GradientSync:
                 "last micro-batch's reductions may already be launched; expected final=False for every micro-batch "
                 "but the last, final=True once, then finish() (or zero_grads() to abandon the step)"
             )
+        stepped = [i for i, flat in enumerate(self.flats) if flat.stepped]
+        if stepped:  # the buffers still hold the last step's gradients and "received" flags (model.zero_grad() alone
+            # clears neither): a parameter unused in this step would be updated with its old gradient
+            raise RuntimeError(
+                f"GradientSync.begin_backward(final={final!r}): the gradients of flats{stepped} were used by the last "
+                "optimizer step and not cleared; expected sync.zero_grads() after opt.step() (model.zero_grad() does "
+                "not clear the flat buffers)"
+            )
         reduced = [i for i, flat in enumerate(self.flats) if flat.reduced]
         if reduced:
             raise RuntimeError(

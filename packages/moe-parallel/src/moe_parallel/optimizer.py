@@ -217,6 +217,7 @@ class DistributedAdamW:
             )
         for flat in self.flats:  # this step consumes them: a second step() before the next finish() is refused
             flat.reduced = False
+            flat.stepped = True  # and the next step's first backward wants them cleared by zero_grads()
         norm_value, received = self._norm_and_received()
         if not math.isfinite(norm_value):
             self.skipped_steps += 1
