@@ -89,6 +89,13 @@ def check_next_step_without_zero_grads(rank: int, world: int, shard: bool) -> di
     return out
 
 
+def check_config_differs(rank: int) -> str:
+    """grad_clip 1.0 on rank 0 and 2.0 on rank 1: each rank clipped by its own factor and the replicas drifted."""
+    flat = FlatParams([("w", nn.Parameter(torch.zeros(4)))], dist.group.WORLD, shard=True)
+    cfg = AdamWConfig(lr=0.1, grad_clip=1.0 + rank)
+    return _outcome(lambda: DistributedAdamW([flat], cfg, world=dist.group.WORLD))
+
+
 def check_begin_backward_before_step(rank: int, world: int, shard: bool) -> dict:
     """finish(), then another micro-batch's backward before the step: with an unsharded optimizer the reduced
     gradient is the .grad buffer, so the step would use it plus this rank's new, unreduced gradient."""
@@ -197,6 +204,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
             checks[f"no_zero_grads_shard={shard}"] = (check_next_step_without_zero_grads, rank, world, shard)
             checks[f"fp64_shard={shard}"] = (check_fp64, rank, world, shard)
         checks["unnamed"] = (check_unnamed_parameters,)
+        checks["config_differs"] = (check_config_differs, rank)
         for key, (fn, *args) in checks.items():
             try:
                 res[key] = fn(*args)

@@ -103,3 +103,11 @@ def test_ranks_ran_the_source_under_test(ranks):
 
     for r, res in enumerate(ranks):
         assert res["moe_parallel_file"] == moe_parallel.__file__, f"rank {r}: {res['moe_parallel_file']}"
+
+
+def test_ranks_with_different_optimizer_configs_are_refused_on_every_rank(ranks):
+    for r, res in enumerate(ranks):
+        got = res["config_differs"]
+        assert got.startswith("ValueError: DistributedAdamW: the config and the parameters (expert parameters as this "
+                              "rank's slice) differ across ranks: rank 0 has config AdamWConfig("), f"rank {r}: {got}"
+        assert "grad_clip=1.0" in got and "grad_clip=2.0" in got, f"rank {r}: {got}"

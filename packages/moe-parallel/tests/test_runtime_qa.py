@@ -189,7 +189,8 @@ def test_ranks_holding_other_parameters_fail_together_naming_the_first_differenc
         assert out["other_dtype"].startswith("ValueError: FlatParams: the parameters differ across ranks: rank 0 has "
                                              "FlatParams(shard=True, grad_dtype=torch.float32"), out["other_dtype"]
         assert out["extra_expert_parameter"].startswith(
-            "ValueError: DistributedAdamW: the parameters (expert parameters as this rank's slice) differ across ranks: "
+            "ValueError: DistributedAdamW: the config and the parameters (expert parameters as this rank's slice) differ "
+            "across ranks: "
             "rank 0 has (nothing more) where rank 2 has flats[1] 'experts.w2' (2, 2) torch.float32"), out["extra_expert_parameter"]
 
 

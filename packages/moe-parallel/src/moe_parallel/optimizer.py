@@ -98,11 +98,13 @@ class DistributedAdamW:
                 if outside:
                     raise ValueError(f"DistributedAdamW: flats[{i}] is reduced over ranks {outside} outside world= "
                                      f"(ranks {world_ranks}); expected world= to span every rank (groups.world)")
-            # the per-parameter flags ride one all-reduce over the world: same slots everywhere
+            # the per-parameter flags ride one all-reduce over the world: same slots everywhere; and the same
+            # hyper-parameters (another clip or decay on one rank would make its replicas drift apart silently)
             require_same_on_every_rank(
-                world, [f"flats[{i}] {s.name!r} {tuple(s.param.shape)} {s.param.dtype}" for i, f in enumerate(flats)
-                        for s in reversed(f.slots)],  # in the order given (slots are laid out last parameter first)
-                "DistributedAdamW: the parameters (expert parameters as this rank's slice)",
+                world, [f"config {cfg!r}"] + [f"flats[{i}] {s.name!r} {tuple(s.param.shape)} {s.param.dtype}"
+                                              for i, f in enumerate(flats)
+                                              for s in reversed(f.slots)],  # in the order given (laid out reversed)
+                "DistributedAdamW: the config and the parameters (expert parameters as this rank's slice)",
                 flats[0].param_buffer.device,
             )
         self.flats = flats
