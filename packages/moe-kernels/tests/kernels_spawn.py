@@ -9,12 +9,17 @@ not importable by the dotted name pytest gave it, so its folder goes on sys.path
 from __future__ import annotations
 
 import importlib
+import os
 import socket
 import sys
 import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -52,3 +57,17 @@ def results_or_fail(runs: list[tuple[dict, int | None, bool]], deadline_s: float
     for r, (res, code, _) in enumerate(runs):
         assert res, f"rank {r} died without a result (exit code {code}; a gloo abort on mismatched rows?)"
     return [res for res, _, _ in runs]
+
+
+def run_gloo_rank(rank: int, port: int, out_dir: str, world: int, timeout_s: float,
+                  cases: Callable[[int], dict]) -> None:
+    """An `_entry` body: join gloo on 127.0.0.1:port (collectives time out after timeout_s), save cases(rank)
+    to out_dir/rank{rank}.pt, or {"error", "traceback"} when anything raised."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        res = cases(rank)
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -6,10 +6,7 @@ that every rank's num_experts agrees and raises the same ValueError on every ran
 agrees pays that check once.
 """
 
-import os
 import sys
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -28,14 +25,7 @@ COLLECTIVE_TIMEOUT_S = 15
 
 
 def _entry(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        res = _cases(rank)
-        dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+    kernels_spawn.run_gloo_rank(rank, port, out_dir, WORLD, COLLECTIVE_TIMEOUT_S, _cases)
 
 
 def _dispatch_outcome(dispatcher: AllToAllDispatcher, num_experts: int) -> str:

@@ -14,10 +14,7 @@
 
 from __future__ import annotations
 
-import os
 import sys
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -70,14 +67,7 @@ COLLECTIVE_TIMEOUT_S = 15
 
 
 def _entry(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        res = _grad_disagreement(rank)
-        dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+    kernels_spawn.run_gloo_rank(rank, port, out_dir, WORLD, COLLECTIVE_TIMEOUT_S, _grad_disagreement)
 
 
 def _outcome(fn) -> str:  # noqa: ANN001
