@@ -43,7 +43,13 @@ from moe_kernels.collective_checks import (
     refused_device,
     require_agreement,
 )
-from moe_kernels.dispatch import DispatchResult, IdentityCodec, PayloadCodec
+from moe_kernels.dispatch import (
+    DispatchResult,
+    IdentityCodec,
+    PayloadCodec,
+    check_payload_rows,
+    require_graph_kept,
+)
 from moe_kernels.permute import check_rows, check_route_map_device, check_router_weights, combine, permute
 from moe_kernels.route_map import RouteMap, positive_int
 
@@ -143,10 +149,10 @@ class AllToAllDispatcher:
             dtype = route_map.counts.dtype
             if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
                 raise ValueError(f"route map counts must be an integer tensor, got dtype={dtype}")
-            payload = self.codec.encode(permute(x, route_map))  # [T*k, ...] in global expert order
-            if not isinstance(payload, torch.Tensor) or payload.dim() < 1 or payload.shape[0] != route_map.num_rows:
-                got = tuple(payload.shape) if isinstance(payload, torch.Tensor) else type(payload).__name__
-                raise ValueError(f"codec.encode must return a tensor of T*k={route_map.num_rows} rows, got {got}")
+            rows = permute(x, route_map)
+            payload = self.codec.encode(rows)  # [T*k, ...] in global expert order
+            check_payload_rows(payload, route_map.num_rows)
+            require_graph_kept(rows, payload, "codec.encode(rows)")
         except Exception as err:  # noqa: BLE001 - raised below, once every EP rank knows
             problem = err
         send = self._counts_and_header(x, route_map, payload, problem)  # [ep, E_local + header] int64

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from moe_kernels.permute import combine, permute
-from moe_kernels.route_map import RouteMap, positive_int
+from moe_kernels.route_map import RouteMap, positive_int, require_route_map
 
 
 class PayloadCodec(Protocol):
@@ -68,6 +68,32 @@ class TokenDispatcher(Protocol):
     def combine(self, expert_out: torch.Tensor, result: DispatchResult, weights: torch.Tensor) -> torch.Tensor: ...
 
 
+def check_payload_rows(payload: Any, num_rows: int) -> None:
+    """What codec.encode returned: one tensor whose dim 0 is the T*k rows (anything else cannot travel)."""
+    if not isinstance(payload, torch.Tensor) or payload.dim() < 1 or payload.shape[0] != num_rows:
+        got = tuple(payload.shape) if isinstance(payload, torch.Tensor) else type(payload).__name__
+        raise ValueError(f"codec.encode must return a tensor of T*k={num_rows} rows, got {got}")
+
+
+def check_decoded_rows(decoded: Any, num_rows: int) -> None:
+    """What codec.decode returned: the [T*k, d] rows the experts compute on."""
+    if not isinstance(decoded, torch.Tensor) or decoded.dim() != 2 or decoded.shape[0] != num_rows:
+        got = tuple(decoded.shape) if isinstance(decoded, torch.Tensor) else type(decoded).__name__
+        raise ValueError(f"codec.decode must return the [T*k={num_rows}, d] rows the experts compute on, got {got}")
+
+
+def require_graph_kept(rows: torch.Tensor, coded: torch.Tensor, step: str) -> None:
+    """`coded` (what the codec made of `rows`) stays on autograd's graph when `rows` is on it: a codec
+    that cuts it would silently leave x without the experts' gradient (under no_grad or inference_mode
+    nothing is recorded, and anything goes)."""
+    if torch.is_grad_enabled() and rows.requires_grad and not coded.requires_grad:
+        raise ValueError(
+            f"{step} does not require grad though x does: the codec cut the autograd graph, so x would get "
+            "no gradient from the experts; expected a codec autograd can follow (a floating-point payload: an "
+            "integer bit pattern cannot carry gradients through this dispatcher), or x.detach() for no gradient"
+        )
+
+
 class LocalDispatcher:
     """All experts on this device: dispatch is a permute, combine is the weighted sum."""
 
@@ -76,16 +102,23 @@ class LocalDispatcher:
         self.codec = codec or IdentityCodec()
 
     def dispatch(self, x: torch.Tensor, route_map: RouteMap) -> DispatchResult:
+        require_route_map(route_map)
         if route_map.num_experts != self.num_local_experts:
             raise ValueError(
                 f"route map has {route_map.num_experts} experts, dispatcher holds {self.num_local_experts}"
             )
-        rows = self.codec.decode(self.codec.encode(permute(x, route_map)))
-        return DispatchResult(rows, route_map.offsets, route_map, torch.zeros((), dtype=torch.int64, device=x.device))
+        rows = permute(x, route_map)
+        payload = self.codec.encode(rows)
+        check_payload_rows(payload, route_map.num_rows)
+        decoded = self.codec.decode(payload)
+        check_decoded_rows(decoded, route_map.num_rows)
+        require_graph_kept(rows, decoded, "codec.decode(codec.encode(rows))")
+        return DispatchResult(decoded, route_map.offsets, route_map, torch.zeros((), dtype=torch.int64, device=x.device))
 
     def combine(self, expert_out: torch.Tensor, result: DispatchResult, weights: torch.Tensor) -> torch.Tensor:
-        if not isinstance(result.context, RouteMap):
+        context = getattr(result, "context", None)  # a result of another kind may have none
+        if not isinstance(context, RouteMap):
             raise ValueError(
-                f"result.context is a {type(result.context).__name__}: pass the DispatchResult of this dispatcher's dispatch"
+                f"result.context is a {type(context).__name__}: pass the DispatchResult of this dispatcher's dispatch"
             )
-        return combine(expert_out, result.context, weights)
+        return combine(expert_out, context, weights)

@@ -9,6 +9,7 @@ from typing import Literal
 
 import torch
 
+from moe_kernels.route_map import require_tensor
 from moe_kernels.triton import at_own_dtype, dense_rows, use_triton
 
 GemmBackend = Literal["auto", "triton", "torch", "reference"]
@@ -29,6 +30,7 @@ def checked_offsets(offsets: torch.Tensor, num_rows: int, device: torch.device, 
     host read on a GPU: shape, integer dtype, on the rows' device, and no rows without experts. On
     the CPU (reading is free there) also: non-decreasing, non-negative, last == the row count. On a
     GPU, offsets that do not end at the row count leave the rows past the last end uncomputed."""
+    require_tensor("offsets", offsets, f"[E={num_experts}] of cumulative row ends")
     if offsets.device != device:
         raise ValueError(f"offsets are on device={offsets.device} but the rows are on device={device}")
     if offsets.shape != (num_experts,):
@@ -119,11 +121,19 @@ def require_torch_grouped_mm(x: torch.Tensor, w: torch.Tensor, in_cols: int | No
 
 class _DenseRowsGrad(torch.autograd.Function):
     """Identity forward; the gradient leaves with row-major strides, which grouped_mm's backward
-    needs (an autograd.Function rather than a tensor hook, so torch.compile traces it whole)."""
+    needs (an autograd.Function rather than a tensor hook, so torch.compile traces it whole).
+    Forward without ctx plus setup_context, and a generated vmap rule: torch.func (grad, vmap,
+    functional_call under grad) refuses an autograd.Function of the older ctx-in-forward form."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+    def forward(t: torch.Tensor) -> torch.Tensor:
         return t.view_as(t)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        pass  # nothing saved: the backward only restrides the gradient
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ from typing import Literal
 
 import torch
 
-from moe_kernels.route_map import RouteMap
+from moe_kernels.route_map import RouteMap, require_route_map, require_tensor
 from moe_kernels.triton import at_own_dtype, use_triton
 
 RowBackend = Literal["auto", "triton", "torch", "reference"]
@@ -14,6 +14,7 @@ RowBackend = Literal["auto", "triton", "torch", "reference"]
 
 def check_rows(name: str, t: torch.Tensor, rows: str) -> None:
     """Token or expert rows are a 2-D [rows, d] tensor: fold extra dims into the rows first."""
+    require_tensor(name, t, f"[{rows}, d]")
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D [{rows}, d], got shape {tuple(t.shape)}")
 
@@ -29,6 +30,7 @@ def check_route_map_device(route_map: RouteMap, t: torch.Tensor, name: str) -> N
 
 def check_token_rows(x: torch.Tensor, route_map: RouteMap) -> None:
     """x: the [T, d] token rows the route map was built for."""
+    require_route_map(route_map)
     check_rows("x", x, "T")
     if x.shape[0] != route_map.num_tokens:
         raise ValueError(f"x has {x.shape[0]} rows but the route map was built for {route_map.num_tokens} tokens")
@@ -38,6 +40,7 @@ def check_token_rows(x: torch.Tensor, route_map: RouteMap) -> None:
 def check_router_weights(weights: torch.Tensor, x: torch.Tensor, route_map: RouteMap) -> None:
     """weights: [T, k] floating point on x's device (any float dtype: fp32 weights with bf16 rows
     are the usual mix; the sum accumulates in fp32 or wider)."""
+    require_tensor("router weights", weights, f"[T={route_map.num_tokens}, k={route_map.top_k}]")
     if tuple(weights.shape) != (route_map.num_tokens, route_map.top_k):
         raise ValueError(
             f"weights shape {tuple(weights.shape)} != (T, k)=({route_map.num_tokens}, {route_map.top_k})"
@@ -70,6 +73,7 @@ def combine(
 
     expert_out: [T*k, d] in expert order; weights: [T, k] -> [T, d] in expert_out's dtype.
     """
+    require_route_map(route_map)
     check_rows("expert_out", expert_out, "T*k")
     if not expert_out.dtype.is_floating_point:
         raise ValueError(f"expert_out must be floating point (a weighted sum of {expert_out.dtype} rows would be "

@@ -79,6 +79,21 @@ class RouteMap:
 RouteMapBackend = Literal["auto", "triton", "torch", "reference"]
 
 
+def require_route_map(route_map: Any) -> None:
+    """The ops take the RouteMap of build_route_map, not the expert ids it is built from (a TypeError
+    naming what came instead of an AttributeError deep inside)."""
+    if not isinstance(route_map, RouteMap):
+        raise TypeError(
+            f"route_map must be a RouteMap (build_route_map(expert_ids, num_experts)), got {type(route_map).__name__}"
+        )
+
+
+def require_tensor(name: str, value: Any, what: str) -> None:
+    """`value` is a torch.Tensor (a list or numpy array would fail later on a missing attribute)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {what}, got {type(value).__name__}")
+
+
 def positive_int(name: str, value: Any) -> int:
     """`value` as a plain int >= 1 (a Python or numpy integer, or a 0-dim integer tensor), else a
     ValueError naming it: a float, bool or string count would fail later, deep inside a kernel."""
@@ -120,6 +135,7 @@ def build_route_map(expert_ids: torch.Tensor, num_experts: int, backend: RouteMa
     assert fires (torch's own index checks do the same for the torch backend). That assert ends
     the CUDA context, as any device-side assert does; rerun on the CPU to see which id it was.
     """
+    require_tensor("expert_ids", expert_ids, "[T, k]")
     if expert_ids.dim() != 2:
         raise ValueError(f"expert_ids must be [T, k], got shape {tuple(expert_ids.shape)}")
     if expert_ids.dtype.is_floating_point or expert_ids.dtype.is_complex or expert_ids.dtype == torch.bool:

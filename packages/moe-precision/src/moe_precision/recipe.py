@@ -53,10 +53,19 @@ class Bf16Linear(nn.Linear):
         return F.linear(x, cast_weight(self.weight, gemm_dtype(x, self.weight.dtype)), self.bias)
 
 
+def autocast_casts(dtype: torch.dtype) -> bool:
+    """Whether autocast casts a tensor of `dtype` to its lower precision: floating point other than float64
+    (autocast leaves fp64 tensors, and every non-float one, in their own dtype: fp64 GEMMs stay fp64)."""
+    return dtype.is_floating_point and dtype != torch.float64
+
+
 def gemm_dtype(x: torch.Tensor, otherwise: torch.dtype) -> torch.dtype:
     """The autocast dtype of x's device when autocast is on there, else `otherwise` (and on devices without
-    autocast, such as meta: shape-only forwards)."""
+    autocast, such as meta: shape-only forwards). `otherwise` is the dtype of the tensor being cast: one that
+    autocast would not cast (float64) keeps it, as nn.Linear's weight does under autocast."""
     device = x.device.type
+    if not autocast_casts(otherwise):
+        return otherwise
     if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return otherwise
