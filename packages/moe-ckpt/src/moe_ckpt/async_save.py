@@ -67,16 +67,23 @@ class AsyncCheckpointer:
     ) -> None:
         """Snapshot `shards` now and return; the checkpoint is written in the background.
 
-        Raises the previous background save's error, if it failed. save_kwargs go to
-        save_checkpoint (keep_last_n, update_latest, checksum).
+        Raises the previous background save's error, if it failed. A snapshot that fails here (metadata
+        that is not JSON, a tensor that cannot be copied) fails this save on every rank, raised by wait(): the
+        other ranks' saves are waiting for this one at their barriers. save_kwargs go to save_checkpoint
+        (keep_last_n, update_latest, checksum).
         """
         t0 = time.perf_counter()
         self.wait()
-        meta = json.loads(json.dumps(metadata or {}))  # a private copy, validated as JSON now
-        t1 = time.perf_counter()
-        snap = self._snapshot(shards)
+        t1 = t0
+        try:
+            meta = json.loads(json.dumps(metadata or {}))  # a private copy, validated as JSON now
+            t1 = time.perf_counter()
+            snap = self._snapshot(shards)
+            nbytes = sum(s.nbytes for s in snap if s.writer)
+        except Exception as e:  # noqa: BLE001 - raising here would leave the peers' saves waiting at a barrier
+            meta, snap, nbytes = None, _Failed(e), 0  # the save runs, fails writing, and every rank raises at wait()
         t2 = time.perf_counter()
-        stats = SaveStats(Path(path), sum(s.nbytes for s in snap if s.writer), t2 - t0, t2 - t1, 0.0)
+        stats = SaveStats(Path(path), nbytes, t2 - t0, t2 - t1, 0.0)
         self._pending = stats
 
         def run() -> None:
@@ -138,3 +145,16 @@ class AsyncCheckpointer:
         if on_cuda:
             torch.cuda.synchronize()
         return out
+
+
+class _Failed(list):
+    """The shards of a save whose snapshot failed on this rank: empty, but writing them raises that error (on the
+    background thread, inside the save's protocol, so every rank's save fails naming it instead of the others
+    waiting at a barrier this rank never reaches)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    def __iter__(self):
+        raise self.error

@@ -10,8 +10,21 @@ flat range can be viewed as a box of the global tensor without copying.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Union
+
+
+def as_index(value: object, what: str) -> int:
+    """`value` as a Python int: any integer (numpy's, a 0-dim integer tensor's) but a bool; ValueError naming `what`
+    otherwise (a float such as 2.5 is never truncated, which would read or write other elements without a word)."""
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None:
+        raise ValueError(f"{what}={value!r}: expected an integer")
+    return number
 
 
 @dataclass(frozen=True)
@@ -22,8 +35,8 @@ class Box:
     lengths: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "offsets", tuple(int(o) for o in self.offsets))
-        object.__setattr__(self, "lengths", tuple(int(n) for n in self.lengths))
+        object.__setattr__(self, "offsets", tuple(as_index(o, "Box offset") for o in self.offsets))
+        object.__setattr__(self, "lengths", tuple(as_index(n, "Box length") for n in self.lengths))
         if len(self.offsets) != len(self.lengths):
             raise ValueError(f"Box offsets {self.offsets} and lengths {self.lengths} differ in rank")
         if any(o < 0 for o in self.offsets) or any(n < 0 for n in self.lengths):
@@ -65,6 +78,8 @@ class FlatRange:
     length: int
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "start", as_index(self.start, "FlatRange start"))
+        object.__setattr__(self, "length", as_index(self.length, "FlatRange length"))
         if self.start < 0 or self.length < 0:
             raise ValueError(f"FlatRange(start={self.start}, length={self.length}) must be >= 0")
 
@@ -107,6 +122,8 @@ def describe(region: Region) -> str:
 
 def check_region(shape: tuple[int, ...], region: Region, what: str) -> None:
     """Raise if `region` does not lie inside a tensor of global `shape`."""
+    if not isinstance(region, (Box, FlatRange)):
+        raise TypeError(f"{what}: region {region!r} is a {type(region).__name__}, expected a Box or a FlatRange")
     if isinstance(region, FlatRange):
         total = math.prod(shape)
         if region.start + region.length > total:
@@ -188,6 +205,9 @@ def as_boxes(shape: tuple[int, ...], region: Region) -> list[tuple[int, Box]]:
 
 def even_split(n: int, rank: int, world: int) -> tuple[int, int]:
     """(offset, length) of part `rank` of `n` items split over `world` parts, the first n % world one longer."""
+    n, rank, world = as_index(n, "n"), as_index(rank, "rank"), as_index(world, "world")
+    if n < 0:
+        raise ValueError(f"n={n}: expected a number of items >= 0")
     if not 0 <= rank < world:
         raise ValueError(f"rank={rank} is outside [0, world={world})")
     base, extra = divmod(n, world)
@@ -199,14 +219,22 @@ def split_flat_buffer(numels: list[int], start: int, length: int) -> list[tuple[
 
     ZeRO shards one flat buffer of all parameters; this says, for the range
     [start, start + length) of that buffer, which (tensor index, FlatRange of that
-    tensor) pieces it holds, in buffer order.
+    tensor) pieces it holds, in buffer order. A tensor of no elements is held (as
+    FlatRange(0, 0)) by every range that reaches its position, so that one that
+    saves its pieces saves every tensor.
     """
+    start, length = as_index(start, "start"), as_index(length, "length")
+    if start < 0 or length < 0:
+        raise ValueError(f"range start={start}, length={length}: expected integers >= 0")
     out: list[tuple[int, FlatRange]] = []
     base, stop = 0, start + length
     for i, n in enumerate(numels):
+        n = as_index(n, f"numels[{i}]")
+        if n < 0:
+            raise ValueError(f"numels[{i}]={n}: expected a number of elements >= 0")
         lo, hi = max(start, base), min(stop, base + n)
-        if hi > lo:
-            out.append((i, FlatRange(lo - base, hi - lo)))
+        if hi > lo or (n == 0 and start <= base <= stop):
+            out.append((i, FlatRange(lo - base, max(0, hi - lo))))
         base += n
     if stop > base:
         raise ValueError(f"range [{start}, {stop}) exceeds the buffer of {base} elements")

@@ -117,7 +117,6 @@ def save_checkpoint(
 
 
 def _prepare(tmp: Path, metadata: dict | None) -> None:
-    json.dumps(metadata or {})  # fail before any rank writes if metadata is not JSON
     remove_leftovers(tmp.parent)
     if tmp.is_symlink() or (tmp.exists() and not tmp.is_dir()):  # not ours: neither followed nor deleted
         what = f"a symbolic link to {os.readlink(tmp)}" if tmp.is_symlink() else "a file"
@@ -126,21 +125,34 @@ def _prepare(tmp: Path, metadata: dict | None) -> None:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     fsync_dir(tmp.parent)
+    # checked once the folder exists, so that the error record the other ranks read can be written there
+    if metadata is not None and not isinstance(metadata, dict):  # metadata.json is it plus the "moe_ckpt" entry
+        raise TypeError(f"metadata is a {type(metadata).__name__}, expected a dict (or None)")
+    try:  # fail before any rank writes if metadata is not JSON
+        json.dumps(metadata or {})
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"metadata is not JSON-serialisable: {e}") from None
 
 
 def _write_rank(tmp: Path, shards: Sequence[ShardSpec], rank: int, world_size: int, algorithm: str) -> None:
     if not _is_own_dir(tmp):
         raise CheckpointError(f"rank {rank}: {tmp} is not a folder; rank 0 failed to create it "
                               f"({_read_errors(tmp) or 'or the ranks do not share a file system'})")
-    entries, pieces, declared, seen = [], [], [], set()
+    failed = _read_errors(tmp)
+    if failed:  # rank 0 refused the save while preparing it (or a rank failed already): nothing will be committed
+        raise CheckpointError(f"rank {rank}: not writing {tmp.name}: {failed}")
+    entries, pieces, declared, seen = [], [], [], {}
     for s in shards:
         if not s.writer:  # another rank writes it; named so that the commit can check one does
             declared.append({"name": s.name, "shape": list(s.global_shape), "dtype": dtype_name(s.dtype)})
             continue
         key = f"{s.name}{describe(s.region)}"
+        if key in seen and seen[key] != s.name:  # e.g. "xflat" rows [0:2] and "x" elements flat[0:2]
+            raise ValueError(f"rank {rank}: tensors {seen[key]!r} and {s.name!r} would both be stored under key "
+                             f"{key!r} in one shard file; rename one of them")
         if key in seen:
             raise ValueError(f"rank {rank}: piece {key!r} is listed twice")
-        seen.add(key)
+        seen[key] = s.name
         # a flat range is stored 1-D whatever shape the caller's tensor has: readers slice it along one dim
         entries.append((key, s.tensor.reshape(-1) if isinstance(s.region, FlatRange) else s.tensor))
         pieces.append({"name": s.name, "shape": list(s.global_shape), "dtype": dtype_name(s.dtype),

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_ckpt.geometry import Box, FlatRange, Region, check_region
+from moe_ckpt.geometry import Box, FlatRange, Region, as_index, check_region
 
 # Names used in index.json (torch's, without the "torch." prefix) and the
 # safetensors dtype codes of the same types.
@@ -44,6 +44,17 @@ def safetensors_code(dtype: torch.dtype) -> str:
     return _DTYPES[dtype_name(dtype)][1]
 
 
+def check_name(name: object) -> None:
+    """A tensor name goes into index.json and the shard file's safetensors header: a str that UTF-8 encodes."""
+    if not isinstance(name, str):
+        raise TypeError(f"tensor name {name!r} is a {type(name).__name__}, expected a str")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate: safetensors could not read the file back
+        raise ValueError(f"tensor name {name!r} is not valid Unicode ({e.reason} at position {e.start}); "
+                         "the shard file's header could not be read back") from None
+
+
 @dataclass
 class ShardSpec:
     """One piece of one global tensor that this rank holds.
@@ -62,7 +73,12 @@ class ShardSpec:
     writer: bool = True
 
     def __post_init__(self) -> None:
-        self.global_shape = tuple(int(s) for s in self.global_shape)
+        check_name(self.name)
+        if not isinstance(self.tensor, torch.Tensor):
+            raise TypeError(f"tensor {self.name!r}: data is a {type(self.tensor).__name__}, expected a torch.Tensor")
+        self.global_shape = tuple(as_index(s, f"tensor {self.name!r}: global shape dim") for s in self.global_shape)
+        if any(s < 0 for s in self.global_shape):  # index.json refuses it: the checkpoint could not be read
+            raise ValueError(f"tensor {self.name!r}: global shape {self.global_shape} has a negative dim")
         if self.region is None:
             self.region = Box.whole(self.global_shape)
         check_region(self.global_shape, self.region, f"tensor {self.name!r}")
