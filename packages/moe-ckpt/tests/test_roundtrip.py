@@ -146,6 +146,17 @@ def test_async_save_error_surfaces_on_next_wait(tmp_path):
     assert ck.wait() is not None  # the error is raised once
 
 
+def test_a_failed_async_save_does_not_become_last_stats(tmp_path):
+    """wait() after a failed save returned that save's stats, which read as a success."""
+    ck = AsyncCheckpointer()
+    ck.save(tmp_path / "a", [ShardSpec("x", (2,), torch.ones(2))])
+    assert ck.wait().bytes == 8
+    ck.save(tmp_path / "a", [ShardSpec("x", (3,), torch.ones(3))])  # "a" exists: fails in the background
+    with pytest.raises(FileExistsError):
+        ck.wait()
+    assert ck.wait().bytes == 8 and ck.last_stats.bytes == 8
+
+
 def test_retention_keeps_the_last_n_and_latest_points_at_the_newest(tmp_path):
     state = make_state()
     for step in range(1, 6):

@@ -99,14 +99,18 @@ class AsyncCheckpointer:
         self._thread.start()
 
     def wait(self) -> SaveStats | None:
-        """Block until the save in flight (if any) is committed; raise its error if it failed."""
+        """Block until the save in flight (if any) is committed; raise its error if it failed.
+        last_stats: the last save that committed (a failed save's stats are dropped with it)."""
+        stats = None
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-            self.last_stats, self._pending = self._pending, None
+            stats, self._pending = self._pending, None
         if self._error is not None:
             err, self._error = self._error, None
             raise err
+        if stats is not None:
+            self.last_stats = stats
         return self.last_stats
 
     def __enter__(self) -> AsyncCheckpointer:
