@@ -91,6 +91,23 @@ def test_load_into_a_strided_out_fills_it_in_place(tmp_path, region):
     assert got is out and torch.equal(out.reshape(-1), want.reshape(-1))
 
 
+def test_out_may_be_a_parameter_and_a_wrong_or_expanded_out_is_refused_before_any_is_filled(tmp_path):
+    """An nn.Parameter as `out` failed with torch's "a leaf Variable that requires grad is being used in an
+    in-place operation"; an expanded buffer with torch's overlap error; a (3, 2) buffer for a (2, 3) box was
+    filled in row-major order without a word."""
+    w, v = torch.arange(6.0).reshape(2, 3), torch.arange(4.0)
+    save_checkpoint(tmp_path / "ck", [ShardSpec("w", (2, 3), w), ShardSpec("v", (4,), v)])
+    param = torch.nn.Parameter(torch.zeros(2, 3))
+    got = load_checkpoint(tmp_path / "ck", [LoadRequest("w", out=param)])["w"]
+    assert got is param and torch.equal(param.detach(), w) and param.requires_grad
+    for bad, message in ((torch.zeros(1, 3).expand(2, 3), r"strides \(0, 1\): elements share memory"),
+                         (torch.zeros(3, 2), r"out has \(3, 2\) torch.float32, needs \(2, 3\)")):
+        first = torch.zeros(4)
+        with pytest.raises(ValueError, match=message):
+            load_checkpoint(tmp_path / "ck", [LoadRequest("v", out=first), LoadRequest("w", out=bad)])
+        assert not first.any()  # refused before any request was filled
+
+
 def test_metadata_and_rng_state_round_trip_through_json(tmp_path):
     import random
 

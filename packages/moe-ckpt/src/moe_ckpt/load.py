@@ -189,6 +189,9 @@ def _validate(path: Path, index: Index, requests: Sequence[LoadRequest]) -> None
                                      f"checkpoint has {entry.dtype} ({path})")
         if r.region is not None:
             check_region(entry.shape, r.region, f"request for tensor {r.name!r}")
+        if r.out is not None:  # every request's buffer before any is filled
+            _check_out(r.name, r.out, r.region if r.region is not None else Box.whole(entry.shape),
+                       dtype_from_name(entry.dtype))
 
 
 class _Files(contextlib.ExitStack):
@@ -246,15 +249,25 @@ class _Files(contextlib.ExitStack):
                                         f"{list(got_shape)}; index.json says {want_code} {list(want_shape)}")
 
 
+def _check_out(name: str, dest: torch.Tensor, region: Region, dtype: torch.dtype) -> None:
+    """`out` takes the region's elements: its dtype, and its shape (any shape of that many elements for a flat
+    range), with no two elements sharing memory (an expanded tensor)."""
+    shape_ok = dest.numel() == region.numel if isinstance(region, FlatRange) else tuple(dest.shape) == region.local_shape
+    if dest.dtype != dtype or not shape_ok:
+        raise ValueError(f"tensor {name!r}: out has {tuple(dest.shape)} {dest.dtype}, needs {region.local_shape} {dtype}"
+                         + ("" if isinstance(region, FlatRange) else " (a box's shape, not only its element count)"))
+    if any(n > 1 and step == 0 for n, step in zip(dest.shape, dest.stride())):
+        raise ValueError(f"tensor {name!r}: out {tuple(dest.shape)} has strides {dest.stride()}: elements share memory "
+                         "(an expanded tensor); expected a buffer with one place per element")
+
+
+@torch.no_grad()  # `out` may be a parameter (a leaf that requires grad), filled in place as load_state_dict does
 def _assemble(index: Index, files: _Files, req: LoadRequest, device, require_finite: bool,
               lend_views: bool) -> torch.Tensor:
     entry = index.tensors[req.name]
     dtype = dtype_from_name(entry.dtype)
     region = req.region if req.region is not None else Box.whole(entry.shape)
-    dest = req.out
-    if dest is not None and (dest.dtype != dtype or dest.numel() != region.numel):
-        raise ValueError(f"tensor {req.name!r}: out has {tuple(dest.shape)} {dest.dtype}, "
-                         f"needs {region.local_shape} {dtype}")
+    dest = req.out  # checked by _validate
     if dest is not None and not _views_of(dest, region):  # e.g. a transposed buffer for a flat range
         got = _assemble(index, files, dataclasses.replace(req, out=None), dest.device, require_finite, True)
         return dest.copy_(got.reshape(dest.shape))
