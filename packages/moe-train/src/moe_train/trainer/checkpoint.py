@@ -9,6 +9,8 @@ stored once; a reader that wants optim.X.master of such a checkpoint gets the fp
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +235,35 @@ def check_no_checkpoints_after(run_dir: str | Path, start_step: int, resume: boo
                else "this run starts from step 0 (no resume)" if not resume else "no complete checkpoint was found")
         raise ConfigError(f"train.run_dir={run_dir}: {root}/{later[0]} exists but {why}; the run would have to "
                           f"write over {', '.join(later)}. Move those folders away or use a new train.run_dir")
+
+
+def check_run_dir_writable(run_dir: str | Path, saves: bool) -> None:
+    """The run folder takes its log, and (saves: the run writes checkpoints) its checkpoints/ folder takes a new
+    step folder: a checkpoints/ that is a file, a link to nothing, or a folder this job may not write (another
+    user's, a read-only mount) is refused before the first step, not at the first save with the steps since lost.
+    Probes by writing (a folder made and removed; metrics.jsonl opened to append): permission bits say nothing
+    to root or of a read-only mount."""
+    run = Path(run_dir)
+    root, metrics = checkpoint_root(run), run / "metrics.jsonl"
+    expected = "expected a run folder this job can write its log and checkpoints in"
+    if metrics.exists():
+        try:
+            open(metrics, "ab").close()  # noqa: SIM115 - appends nothing
+        except OSError as e:
+            raise ConfigError(f"train.run_dir={str(run_dir)!r}: cannot write {metrics} ({e.strerror or e}); "
+                              f"{expected}") from None
+    if not saves:
+        return
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"train.run_dir={str(run_dir)!r}: {root} is a file; expected the folder the run's "
+                          "checkpoints are saved in (move the file away, or use another train.run_dir)")
+    where = root if root.is_dir() or root.is_symlink() else run  # the first save makes checkpoints/ here
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-test-", dir=where))
+    except OSError as e:
+        raise ConfigError(f"train.run_dir={str(run_dir)!r}: cannot make a folder in {where} ({e.strerror or e}), as "
+                          f"each checkpoint save does; {expected} (or train.save_interval=0 for a run that saves "
+                          "none)") from None
 
 
 def latest(run_dir: str | Path) -> Path | None:

@@ -82,7 +82,6 @@ class Trainer:
             torch.manual_seed(t.seed)
             self.model = rt.setup(Transformer(cfg.model, device="meta"))  # each rank allocates only its slice
             self.run_dir = Path(t.run_dir)
-            self.log = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.is_main)
             self.step = 0
             self.skipped_steps = 0
             self.consecutive_skips = 0
@@ -95,24 +94,28 @@ class Trainer:
             self.save_barrier = rt.background_barrier() if t.async_save else None
             # last: a run refused for its data or model leaves no run folder behind
             self._lock_run_dir()
+            self.log = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.is_main)
         except BaseException as e:
             self._close_runtime(e)
             raise
 
     def _lock_run_dir(self) -> None:
-        """Rank 0 takes the run folder's lock (one job per run folder); every rank raises if it is held."""
-        busy: RunFolderBusyError | None = None
+        """Rank 0 takes the run folder's lock (one job per run folder) and checks that the folder, and its
+        checkpoints/ when the run saves, take new files: every rank raises if it cannot, before the first step
+        (the first save would fail with the steps since the start lost)."""
+        busy: ConfigError | None = None
         if self.is_main:
             try:
                 self.run_lock = RunFolderLock(self.cfg.train.run_dir)
-            except RunFolderBusyError as e:
+                ckpt.check_run_dir_writable(self.cfg.train.run_dir, saves=self.cfg.train.save_interval > 0)
+            except ConfigError as e:
                 busy = e
         flag = self.runtime.all_reduce_sum(torch.tensor([float(busy is not None)], device=self.device))
         if busy is not None:
             raise busy
         if flag.item() > 0:
-            raise RunFolderBusyError(f"train.run_dir={self.cfg.train.run_dir!r} is in use by another job (rank 0 "
-                                     "could not lock it; its error names the job)")
+            raise RunFolderBusyError(f"train.run_dir={self.cfg.train.run_dir!r} is in use by another job or cannot be "
+                                     "written (rank 0 could not lock it or write in it; its error says which)")
 
     def _close_runtime(self, e: BaseException) -> None:
         """Close the runtime after `e` (the error to report): a failure to close becomes a note on e."""
@@ -174,12 +177,18 @@ class Trainer:
             if self.consecutive_skips >= t.max_skipped_steps:
                 raise TrainingError(
                     f"loss={stats[0]} / grad_norm={result.grad_norm} non-finite for {self.consecutive_skips} "
-                    f"consecutive steps (step {self.step}); train.max_skipped_steps={t.max_skipped_steps}"
+                    f"consecutive steps ({self._streak()}); train.max_skipped_steps={t.max_skipped_steps}"
                 )
         else:
             self.consecutive_skips = 0
         return {"loss": stats[0], "aux_loss": stats[1], "lr": lr, "grad_norm": result.grad_norm,
                 "skipped": float(result.skipped)}
+
+    def _streak(self) -> str:
+        """The steps of the current streak of skipped ones, as metrics.jsonl numbers them (the step being taken
+        is self.step + 1: self.step counts the steps done)."""
+        last = self.step + 1
+        return f"step {last}" if self.consecutive_skips == 1 else f"steps {last - self.consecutive_skips + 1} to {last}"
 
     def _update_expert_bias(self, apply: bool = True) -> None:
         """One all-reduce of every router's step load, and only when some router uses the bias.

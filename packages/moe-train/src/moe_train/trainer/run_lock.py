@@ -33,8 +33,14 @@ class RunFolderLock:
         import fcntl
 
         self.path = Path(run_dir) / LOCK_NAME
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a+")  # noqa: SIM115 - held open for the job's life: the lock lives with it
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a+")  # noqa: SIM115 - held open for the job's life: the lock lives with it
+        except (FileNotFoundError, FileExistsError, NotADirectoryError):
+            raise  # the CLI reports these in one line, naming the path
+        except OSError as e:  # another user's folder, a read-only mount: a traceback otherwise
+            raise ConfigError(f"train.run_dir={str(run_dir)!r}: cannot create or write it ({e.strerror or e}: "
+                              f"{e.filename}); expected a folder this job can write, or a path to create one") from None
         try:
             fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
