@@ -121,30 +121,44 @@ def test_a_resume_from_edited_metadata_names_the_field_before_loading(tmp_path, 
         Trainer(make_config(tmp_path, steps=4, eval_interval=0, save_interval=2)).train()
 
 
+def poisoned(trainer, bad_steps):
+    """The trainer, with the steps in bad_steps computed on a NaN embedding column (skipped as non-finite)."""
+    step = trainer._train_step
+
+    def run():
+        if trainer.step + 1 not in bad_steps:
+            return step()
+        with torch.no_grad():
+            saved = trainer.model.embed.weight[:, 0].clone()
+            trainer.model.embed.weight[:, 0] = float("nan")
+        try:
+            return step()
+        finally:
+            with torch.no_grad():
+                trainer.model.embed.weight[:, 0] = saved
+    trainer._train_step = run
+    return trainer
+
+
 def test_a_streak_of_skipped_steps_goes_on_across_a_resume(tmp_path, data_dir, make_config):
     """train.max_skipped_steps counts consecutive non-finite steps; a run saved in the middle of a streak and
     resumed (a job restarted by its scheduler) stops where the unbroken run would have, not N steps later."""
     from moe_train.trainer.errors import TrainingError
-
-    def poisoned(trainer, bad_steps):
-        step = trainer._train_step
-
-        def run():
-            if trainer.step + 1 not in bad_steps:
-                return step()
-            with torch.no_grad():
-                saved = trainer.model.embed.weight[:, 0].clone()
-                trainer.model.embed.weight[:, 0] = float("nan")
-            try:
-                return step()
-            finally:
-                with torch.no_grad():
-                    trainer.model.embed.weight[:, 0] = saved
-        trainer._train_step = run
-        return trainer
 
     first = poisoned(Trainer(make_config(tmp_path, steps=3, eval_interval=0, save_interval=3, max_skipped_steps=3)), {2, 3})
     assert first.train()["skipped_steps"] == 2
     second = poisoned(Trainer(make_config(tmp_path, steps=5, eval_interval=0, save_interval=3, max_skipped_steps=3)), {4})
     with pytest.raises(TrainingError, match="non-finite for 3 consecutive steps"):
         second.train()
+
+
+def test_a_save_in_a_streak_of_skipped_steps_keeps_the_checkpoints_before_it(tmp_path, data_dir, make_config):
+    """With keep_last=1, the save at step 4 (steps 3 and 4 skipped as non-finite) deleted step 2's checkpoint: if
+    step 2's update is what broke the run, every resume then starts from the broken state. Retention waits for
+    a save outside a streak (found by helper 51)."""
+    poisoned(Trainer(make_config(tmp_path, steps=4, eval_interval=0, save_interval=2, keep_last=1,
+                                 max_skipped_steps=5)), {3, 4}).train()
+    root = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000002", "step-00000004"]
+    Trainer(make_config(tmp_path, steps=6, eval_interval=0, save_interval=2, keep_last=1)).train()
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000006"]  # a good save prunes again

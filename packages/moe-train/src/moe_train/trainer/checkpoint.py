@@ -51,7 +51,7 @@ def all_shards(runtime: Runtime, model: nn.Module) -> list[CheckpointShard]:
 
 
 def save(run_dir: str | Path, step: int, runtime: Runtime, model: nn.Module, metadata: dict[str, Any],
-         keep_last: int, async_saver: AsyncCheckpointer | None = None, barrier=None) -> Path:
+         keep_last: int | None, async_saver: AsyncCheckpointer | None = None, barrier=None) -> Path:
     """Every rank calls this; each writes only what it owns. Returns the checkpoint's path."""
     specs = [ShardSpec(s.global_name, s.global_shape, s.tensor.detach(), _region(s.slice), writer=s.is_writer)
              for s in all_shards(runtime, model) if s.same_as is None]

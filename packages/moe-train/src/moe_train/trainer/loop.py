@@ -232,8 +232,11 @@ class Trainer:
         }
 
     def save(self) -> Path:
+        # In a streak of skipped steps nothing older is pruned: the update that broke the run may predate the
+        # streak, and the checkpoints before it are the way back. The next save outside a streak prunes.
+        keep_last = self.cfg.train.keep_last if self.consecutive_skips == 0 else None
         return ckpt.save(self.run_dir, self.step, self.runtime, self.model, self._metadata(),
-                         self.cfg.train.keep_last, self.async_saver, self.save_barrier)
+                         keep_last, self.async_saver, self.save_barrier)
 
     def resume_point(self) -> Path | None:
         """The checkpoint this run resumes from (None: it starts at step 0), after the checks that refuse
