@@ -4,8 +4,10 @@ first step, one line), and the steps a run stopped by non-finite losses names.""
 import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -133,3 +135,29 @@ def test_a_run_stopped_by_non_finite_losses_names_the_steps_of_the_streak(shared
     argv = _train_args(shared / "data", tmp_path / "run2", "--model.init_std=1e38", "--train.max_skipped_steps=1")
     assert main(argv) == 1
     assert "non-finite for 1 consecutive steps (step 1);" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_run_stopped_by_a_signal_prints_one_line_and_exits_with_the_signals_code(shared, tmp_path, signum):
+    """SIGTERM (torchrun stopping the other ranks, a scheduler) or Ctrl-C in the middle of a run: every rank printed
+    a KeyboardInterrupt traceback, and a SIGTERM'd job exited as if Ctrl-C had killed it. Now one line, and the
+    shell's code for that signal (143 / 130); the end event and the resume are as before."""
+    run = tmp_path / "run"
+    args = _train_args(shared / "data", run, save_interval=1)
+    args[args.index("--train.steps=4")] = "--train.steps=100000"
+    proc = subprocess.Popen([sys.executable, "-m", "moe_train", *args], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list((run / "checkpoints").glob("step-*")) and time.monotonic() < deadline:  # training is on
+            time.sleep(0.2)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and len(lines) == 1, err[-3000:]
+    assert proc.returncode == 128 + signum, (proc.returncode, err[-3000:])
+    want = "SIGTERM: the job was told to stop" if signum == signal.SIGTERM else "SIGINT (Ctrl-C)"
+    assert lines[0].startswith(f"moe-train: stopped by {want}"), lines
+    end = json.loads((run / "metrics.jsonl").read_text().strip().splitlines()[-1])
+    assert end["event"] == "end" and end["status"] == "interrupted", end

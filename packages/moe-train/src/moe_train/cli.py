@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import warnings
 
@@ -379,6 +380,10 @@ def _run(args, rest) -> int:
     except TrainingError as e:  # the run started but could not go on (non-finite losses)
         print(f"moe-train: training stopped: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (torchrun, a scheduler): one line per rank, no traceback
+        signum = getattr(e, "signum", signal.SIGINT)  # a Ctrl-C outside the training loop is a plain one
+        print(f"moe-train: stopped by {str(e) or 'SIGINT (Ctrl-C)'}", file=sys.stderr)
+        return 128 + signum  # the shell's code for a process the signal ended
     except ValueError as e:
         from moe_ckpt.hf import HFConversionError
         from moe_train.data import DataError

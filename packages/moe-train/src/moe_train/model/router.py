@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from moe_kernels.triton import at_own_dtype
 from moe_train.config import RouterConfig
 
 
@@ -59,7 +60,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> RouterOutput:
         """x: [T, d] -> ids [T, k], weights [T, k] fp32, aux loss."""
         cfg, e, k = self.cfg, self.num_experts, self.cfg.top_k
-        logits = F.linear(x.float(), self.weight.float())
+        with at_own_dtype(x):  # fp32 under autocast too: bf16 logits would change the top-k and the losses
+            logits = F.linear(x.float(), self.weight.float())
         probs = logits.softmax(-1) if cfg.gating == "softmax" else logits.sigmoid()
         scores = probs.detach() + self.expert_bias if cfg.expert_bias else probs.detach()
         ids = self._select(scores, k)

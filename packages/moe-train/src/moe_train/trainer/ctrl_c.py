@@ -21,10 +21,19 @@ import signal
 import threading
 
 
+def stop_signal(signum: int, *args: object) -> KeyboardInterrupt:
+    """The KeyboardInterrupt a CtrlCWatch raises, carrying the signal that stopped the run as `.signum` (the CLI
+    exits 128 + it)."""
+    stop = KeyboardInterrupt(*args)
+    stop.signum = signum
+    return stop
+
+
 class CtrlCWatch:
     def __init__(self) -> None:
         self.pressed = False
         self._reason = ""
+        self._signum = signal.SIGINT
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> CtrlCWatch:
@@ -38,16 +47,17 @@ class CtrlCWatch:
 
     def _on_signal(self, signum, frame) -> None:
         self.pressed = True
+        self._signum = signum
         if signum == signal.SIGINT:
             self._reason = "Ctrl-C"
-            raise KeyboardInterrupt
+            raise stop_signal(signum)
         self._reason = "SIGTERM"
-        raise KeyboardInterrupt("SIGTERM: the job was told to stop (torchrun after another rank failed, or a scheduler)")
+        raise stop_signal(signum, "SIGTERM: the job was told to stop (torchrun after another rank failed, or a scheduler)")
 
     def check(self) -> None:
         """Raise KeyboardInterrupt if Ctrl-C (or SIGTERM) came: reached only when the first one was dropped."""
         if self.pressed:
-            raise KeyboardInterrupt(f"{self._reason}, raised again at a step boundary (the first KeyboardInterrupt "
+            raise stop_signal(self._signum, f"{self._reason}, raised again at a step boundary (the first KeyboardInterrupt "
                                     "landed in a finalizer run by the garbage collector, which CPython drops)")
 
     def __exit__(self, exc_type, exc, tb) -> bool:
