@@ -24,7 +24,7 @@ class Attention(nn.Module):
         self.k_proj = recipe.linear(cfg.d_model, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
         self.v_proj = recipe.linear(cfg.d_model, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
         self.o_proj = recipe.linear(self.num_heads * self.head_dim, cfg.d_model)
-        # QK-norm per head (Qwen3 / OLMoE-style placement is chosen by the exporter; ours is per head).
+        # QK-norm per head, before RoPE (Qwen3 / GLM placement; OLMoE and OLMo-core norm the whole q / k projection).
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
