@@ -29,6 +29,7 @@ Deterministic, and dropless by default (c = 0).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +107,14 @@ class AllToAllContext:
     dispatch_index: int
 
 
+def check_capacity_factor(capacity_factor: object) -> None:
+    """A capacity factor is a finite real number >= 0 (0 = dropless): a bool is an int to Python (True would
+    silently cap at 1.0), and None or a string would fail later with a bare TypeError."""
+    if (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real)
+            or not math.isfinite(capacity_factor) or capacity_factor < 0):
+        raise ValueError(f"capacity_factor={capacity_factor!r} must be a finite number >= 0 (0 = dropless)")
+
+
 class AllToAllDispatcher:
     """TokenDispatcher for expert parallelism over `group` (ep = group size)."""
 
@@ -116,8 +125,7 @@ class AllToAllDispatcher:
         num_experts = positive_int("num_experts", num_experts)
         if num_experts % self.ep_size != 0:
             raise ValueError(f"num_experts={num_experts} is not divisible by ep={self.ep_size}")
-        if not math.isfinite(capacity_factor) or capacity_factor < 0:
-            raise ValueError(f"capacity_factor={capacity_factor} must be a finite number >= 0 (0 = dropless)")
+        check_capacity_factor(capacity_factor)
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.ep_size
         self.capacity_factor = capacity_factor

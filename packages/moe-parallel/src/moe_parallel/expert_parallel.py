@@ -8,13 +8,13 @@ parallelism keeps this rank's contiguous block of experts, swaps in the all-to-a
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from moe_kernels import AllToAllDispatcher
+from moe_kernels.all_to_all import check_capacity_factor
 from moe_parallel.groups import ParallelGroups
 
 
@@ -56,9 +56,7 @@ def apply_expert_parallel(model: nn.Module, groups: ParallelGroups, capacity_fac
     Returns the expert parameters' global shapes and row offsets (for checkpoints).
     """
     ep, ep_rank = groups.layout.ep, groups.coords.ep_rank
-    if isinstance(capacity_factor, bool) or not math.isfinite(capacity_factor) or capacity_factor < 0:
-        # checked here too: with ep = 1 and no capacity no dispatcher is built to check it
-        raise ValueError(f"capacity_factor={capacity_factor} must be a finite number >= 0 (0 = dropless)")
+    check_capacity_factor(capacity_factor)  # here too: with ep = 1 no dispatcher is built to check it
     layers = moe_layers(model)
     # Every layer is checked before any is changed: a refused one must not leave the earlier ones sliced.
     dispatchers: list[AllToAllDispatcher | None] = []

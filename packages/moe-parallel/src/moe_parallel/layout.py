@@ -58,10 +58,13 @@ class ParallelLayout:
                 f"parallel layout: num_experts={num_experts!r} must be a non-negative integer (0 for a dense model)"
             )
         if self.dp * self.pp != world_size:
+            # no dp fits when pp does not divide the world ("set dp=?" named no value to use)
+            fix = (f"set dp={world_size // self.pp}" if world_size % self.pp == 0 else
+                   f"world_size={world_size} is not a multiple of pp={self.pp}, so no dp fits: "
+                   "set pp to a divisor of it")
             raise ValueError(
                 f"parallel layout: dp={self.dp} x pp={self.pp} = {self.dp * self.pp} does not equal "
-                f"world_size={world_size}; set dp={world_size // self.pp if world_size % self.pp == 0 else '?'} "
-                f"(dp * pp must be the number of processes)"
+                f"world_size={world_size}; {fix} (dp * pp must be the number of processes)"
             )
         if self.dp % self.ep != 0:
             raise ValueError(
