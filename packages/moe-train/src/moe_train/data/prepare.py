@@ -1,12 +1,17 @@
 """Tokenize text into a data folder: train a byte-level BPE, or use a given tokenizer.json.
 
 It streams: documents are read and tokenized a batch at a time into a token-stream file, which is then split
-into train and eval a chunk at a time, so memory does not grow with the corpus (its BPE word counts aside)."""
+into train and eval a chunk at a time, so memory does not grow with the corpus (its BPE word counts aside). A long
+document is tokenized, and the BPE trained on it, a piece at a time (`_pieces`), cut only where the pre-tokenizer
+splits anyway, so the tokens are those of the whole document and memory does not grow with a document either
+(beyond its text)."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Iterable, Iterator
@@ -31,6 +36,10 @@ EVAL_BLOCK_TOKENS = 2048
 ENCODE_BATCH_CHARS = 1 << 19
 # The token stream is split into train and eval this many tokens (2 MB) at a time.
 SPLIT_CHUNK_TOKENS = 1 << 19
+# A document is tokenized, and the BPE trained, a piece of at most this many characters at a time (`_pieces`):
+# the tokenizer's work on a text costs ~120 (training) to ~180 (encoding) bytes a character while it runs, and the
+# trainer buffers 256 texts at a time, so one 100 MB document cost tens of GB, and a 64K-character piece ~10 MB.
+PIECE_CHARS = 1 << 16
 
 
 def eval_blocks(num_tokens: int, eval_fraction: float, block: int) -> tuple[int, np.ndarray]:
@@ -79,10 +88,11 @@ class _DocumentPass:
     def __iter__(self) -> Iterator[str]:
         for doc in self.docs:
             self.given += 1
-            if doc.strip():
+            if doc and not doc.isspace():  # doc.strip(), without copying a large document
                 if self.kept:
                     self.sha256.update(b"\x00")
-                self.sha256.update(doc.encode())
+                for i in range(0, len(doc), PIECE_CHARS):  # the UTF-8 of the whole, a piece at a time
+                    self.sha256.update(doc[i : i + PIECE_CHARS].encode())
                 self.kept += 1
                 yield doc
 
@@ -92,24 +102,28 @@ class _DocumentPass:
                 "all empty or whitespace" if self.given else "expected .txt, .md or .py files with text"))
 
 
-def _encode_to_file(docs: Iterable[str], tok: Tokenizer, eos_id: int, path: Path) -> int:
-    """Tokenize `docs` a batch at a time into the uint32 file `path`, each document followed by eos_id.
-    Returns the number of tokens written."""
-    eos = np.array([eos_id], dtype=np.uint32)
+def _encode_to_file(docs: Iterable[str], tok: Tokenizer, eos_id: int, path: Path,
+                    piece_chars: int | None = None) -> int:
+    """Tokenize `docs` a batch at a time into the uint32 file `path`, each document followed by eos_id (once, after
+    its last piece). piece_chars: cut documents into `_pieces` of about that many characters (only for a tokenizer
+    `_cuts_safely`), None: whole. Returns the number of tokens written."""
+    eos, none = np.array([eos_id], dtype=np.uint32), np.zeros(0, dtype=np.uint32)
     written = 0
     with open(path, "wb") as f:
-        for batch in _batches(docs, ENCODE_BATCH_CHARS):
-            ids = np.concatenate([a for e in tok.encode_batch_fast(batch) for a in (np.asarray(e.ids, np.uint32), eos)])
+        for batch in _batches(_document_pieces(docs, piece_chars), ENCODE_BATCH_CHARS):
+            encodings = tok.encode_batch_fast([text for text, _ in batch])
+            ids = np.concatenate([a for e, (_, last) in zip(encodings, batch)
+                                  for a in (np.asarray(e.ids, np.uint32), eos if last else none)])
             ids.astype("<u4", copy=False).tofile(f)
             written += ids.size
     return written
 
 
-def _batches(docs: Iterable[str], max_chars: int) -> Iterator[list[str]]:
+def _batches(items: Iterable[tuple[str, bool]], max_chars: int) -> Iterator[list[tuple[str, bool]]]:
     batch, chars = [], 0
-    for doc in docs:
-        batch.append(doc)
-        chars += len(doc)
+    for item in items:
+        batch.append(item)
+        chars += len(item[0])
         if chars >= max_chars:
             yield batch
             batch, chars = [], 0
@@ -117,10 +131,89 @@ def _batches(docs: Iterable[str], max_chars: int) -> Iterator[list[str]]:
         yield batch
 
 
+def _document_pieces(docs: Iterable[str], piece_chars: int | None) -> Iterator[tuple[str, bool]]:
+    """(piece, whether it is its document's last) for every piece of every document; whole documents with None."""
+    for doc in docs:
+        if piece_chars is None:
+            yield doc, True
+            continue
+        pieces = _pieces(doc, piece_chars)
+        piece = next(pieces)
+        for following in pieces:
+            yield piece, False
+            piece = following
+        yield piece, True
+
+
 # Runs of non-space characters are cut into pieces of at most this many before the byte-level
 # split: BPE training is quadratic in a word's length, so one long unbroken line (minified code,
 # base64) took minutes per megabyte. Ordinary words are far shorter and split as before.
 MAX_WORD_CHARS = 256
+
+
+# Where a document may be cut into pieces that pre-tokenize, with the pre-tokenizer `train_bpe` builds, into the
+# whole document's pre-tokens: pre_tokenize(doc) == pre_tokenize(doc[:b]) + pre_tokenize(doc[b:]), so the BPE
+# trainer counts the same words and the encoder (which tokenizes each pre-token on its own) gives the same ids.
+# That pre-tokenizer is (1) Split(\S{256}, isolated): every maximal run of non-whitespace (Oniguruma's \S) starting
+# at s is cut at s, s+256, s+512, ... up to its end; then (2) ByteLevel's GPT-2 regex on each of those splits,
+#   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+# matched left to right from each split's start (no lookbehind, no anchors; every character matched).
+# Two kinds of cut b are safe:
+#  - before whitespace: doc[b] in _CUT_SPACE and doc[b-1] not whitespace. (1) A run of non-whitespace never spans
+#    b, so the runs, and the cuts of (1), of doc[:b] and doc[b:] are doc's. (2) In the split holding b, a match
+#    starting before b never reaches b: only \s+ and the leading " ?" can take the whitespace doc[b], \s+ only
+#    by a whitespace run reaching doc[b-1], " ?" only as a match's first character; and those matches read doc[b]
+#    only to stop there, and stop at the string's end alike ((?!\S) holds at whitespace and at the end). So a
+#    match starts at b in doc as in doc[b:], and matching from b reads only what follows b.
+#  - inside a long word: b = s + 256k (k >= 1) where doc[s:b] is non-whitespace and s is the piece's start or
+#    doc[s-1] is in _CUT_SPACE. Then b is a cut of (1) (doc's run starts at s and is >= 256k long), doc[:b] ends
+#    with k whole blocks of it and doc[b:] starts with the rest, cut at the same places; (2) runs on each split.
+# Whitespace here: Oniguruma's \s (which the tokenizer uses) is Python's str.isspace() less U+001C-U+001F, so
+# "not isspace()" is never Oniguruma whitespace (tests/test_qa56.py checks every code point), and the cut
+# characters _CUT_SPACE are whitespace to both. Pieces are cut between code points, never inside a UTF-8 sequence.
+# A long run of whitespace (one pre-token, ending one character before the next word) has no safe cut: it stays
+# whole, and so a piece can be longer than asked for.
+_CUT_SPACE = " \t\n\r\f\v"
+_WORD_END = re.compile(r"\S[ \t\n\r\f\v]")  # a cut between its two characters
+_LONG_WORD = re.compile(rf"[ \t\n\r\f\v](\S{{{MAX_WORD_CHARS},}})")
+_LONG_WORD_AT_START = re.compile(rf"\S{{{MAX_WORD_CHARS},}}")
+
+
+def _last_cut(doc: str, start: int, end: int) -> int | None:
+    """The last safe cut b (see above) of the piece doc[start:], start < b <= end < len(doc); None if none."""
+    end = min(end, len(doc) - 1)
+    best = None
+    for lookback in (1 << 12, 1 << 16, None):  # the last word end is almost always near the end
+        lo = start if lookback is None else max(start, end - lookback)
+        for m in _WORD_END.finditer(doc, lo, end + 1):
+            best = m.start() + 1
+        if best is not None or lo == start:
+            break
+    runs = [(m.start(1), m.end(1)) for m in _LONG_WORD.finditer(doc, start, end)]
+    if (m := _LONG_WORD_AT_START.match(doc, start, end)) is not None:
+        runs.insert(0, m.span())
+    if runs:  # runs cut at end by endpos are as long as that at least; take the last cut of the last one
+        s, e = runs[-1]
+        b = s + (e - s) // MAX_WORD_CHARS * MAX_WORD_CHARS
+        best = b if best is None else max(best, b)
+    return best
+
+
+def _pieces(doc: str, max_chars: int) -> Iterator[str]:
+    """doc in pieces of at most max_chars characters (longer only where no safe cut is found within them), cut at
+    the last safe cut of each: their pre-tokens, one after the other, are doc's."""
+    start, n = 0, len(doc)
+    while n - start > max_chars:
+        span = max_chars
+        cut = _last_cut(doc, start, start + span)
+        while cut is None and start + span < n - 1:  # none within max_chars: the first one after them
+            span *= 2
+            cut = _last_cut(doc, start, start + span)
+        if cut is None:
+            break
+        yield doc[start:cut]
+        start = cut
+    yield doc[start:] if start else doc
 
 
 # A byte-level BPE starts from the 256 byte tokens and the end-of-text token.
@@ -131,7 +224,33 @@ MIN_BPE_VOCAB = 257
 MAX_BPE_VOCAB = 2**20
 
 
-def train_bpe(docs: Iterable[str], vocab_size: int) -> Tokenizer:
+def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer of the BPE trained here; `_pieces` cuts documents only where it splits them anyway."""
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(rf"\S{{{MAX_WORD_CHARS}}}"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+    ])
+
+
+def _cuts_safely(tok: Tokenizer) -> bool:
+    """Whether encoding `_pieces` of a document gives the whole document's ids: the tokenizer adds nothing per
+    text and splits as `_pieces` assumes. That is, no normalizer (one could change or strip text at a piece's
+    edge), the pre-tokenizer built here, a BPE model without dropout (each pre-token tokenized on its own), no
+    post-processor, truncation or padding (they act per text), and only special added tokens (encoding passes
+    them as text, `encode_special_tokens`; another added token could span a cut). The BPE trained here is; a
+    given tokenizer.json is when it is one prepare-data wrote. Others are encoded a whole document at a time."""
+    config = json.loads(tok.to_str())
+    ours = json.loads(_pre_tokenizer().__getstate__())
+    return (config.get("normalizer") is None and config.get("pre_tokenizer") == ours
+            and config.get("post_processor") is None and config.get("truncation") is None
+            and config.get("padding") is None and config["model"].get("type") == "BPE"
+            and config["model"].get("dropout") is None
+            and all(t.get("special") for t in config.get("added_tokens", [])))
+
+
+def train_bpe(docs: Iterable[str], vocab_size: int, piece_chars: int | None = PIECE_CHARS) -> Tokenizer:
+    """A byte-level BPE of vocab_size tokens trained on docs, read a piece of at most about piece_chars
+    characters at a time (None: a whole document at a time; the trainer counts the same words either way)."""
     if vocab_size < MIN_BPE_VOCAB:
         raise DataError(f"vocab_size={vocab_size}: expected >= {MIN_BPE_VOCAB} (a byte-level BPE holds the 256 byte "
                         f"tokens and {EOS})")
@@ -139,16 +258,14 @@ def train_bpe(docs: Iterable[str], vocab_size: int) -> Tokenizer:
         raise DataError(f"vocab_size={vocab_size}: expected <= {MAX_BPE_VOCAB} (2**20; the BPE trainer reserves "
                         "memory for every token asked for, and real vocabularies are far smaller)")
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(rf"\S{{{MAX_WORD_CHARS}}}"), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False),
-    ])
+    tok.pre_tokenizer = _pre_tokenizer()
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(docs, trainer=trainer)
+    texts = docs if piece_chars is None else (piece for doc in docs for piece in _pieces(doc, piece_chars))
+    tok.train_from_iterator(texts, trainer=trainer)
     return tok
 
 
@@ -185,12 +302,12 @@ def _special_tokens(tok: Tokenizer) -> str:
 
 
 def _build(docs: Iterable[str], tmp: Path, vocab_size: int, tokenizer_path: str | None, eval_fraction: float,
-           source: str, eos_token: str | None = None) -> None:
+           source: str, eos_token: str | None = None, piece_chars: int | None = PIECE_CHARS) -> None:
     if tokenizer_path:
         tok = load_tokenizer(tokenizer_path)
     else:
         training = _DocumentPass(docs)
-        tok = train_bpe(training, vocab_size)
+        tok = train_bpe(training, vocab_size, piece_chars)
         training.require_documents()
         if tok.get_vocab_size() < vocab_size:
             got = tok.get_vocab_size()
@@ -203,7 +320,9 @@ def _build(docs: Iterable[str], tmp: Path, vocab_size: int, tokenizer_path: str 
     tok.encode_special_tokens = True
     # The split depends on the corpus's token count: the whole stream goes to a file first, then is split.
     encoding, stream = _DocumentPass(docs), tmp / "stream.u32"
-    num_tokens = _encode_to_file(encoding, tok, eos_id, stream)
+    if piece_chars is not None and not _cuts_safely(tok):
+        piece_chars = None  # another tokenizer's splitting is not known here: whole documents
+    num_tokens = _encode_to_file(encoding, tok, eos_id, stream, piece_chars)
     encoding.require_documents()
     splits = _split_stream_file(stream, num_tokens, tmp, eval_fraction, eos_id)
     stream.unlink()
@@ -277,13 +396,18 @@ def _install(tmp: Path, out: Path) -> None:
 def prepare_data(
     docs: Iterable[str], out: str | Path, vocab_size: int = 4096, tokenizer_path: str | None = None,
     eval_fraction: float = 0.02, source: str = "", eos_token: str | None = None,
+    piece_chars: int | None = PIECE_CHARS,
 ) -> Path:
     """Write a data folder at `out` (built in a temporary folder, then renamed). Returns its path.
     `docs` is read once per pass, never held whole: twice when a BPE is trained here (a list, or `Documents` such
     as `text_file_documents(...)`, which reads its files afresh each pass), once with `tokenizer_path` (a
     generator will do). Empty and whitespace-only documents are left out (they would be an end-of-text token
     alone). eos_token: the token that ends each document (default: the first of EOS_NAMES the tokenizer has; one
-    with none of them is refused)."""
+    with none of them is refused). piece_chars: documents are tokenized (and the BPE trained) in pieces of about
+    this many characters, cut where the pre-tokenizer splits anyway; None: whole documents. The tokens are the
+    same; pieces are used only with the BPE trained here or a tokenizer.json prepare-data wrote."""
+    if piece_chars is not None and piece_chars < 1:
+        raise ValueError(f"piece_chars={piece_chars!r}: expected a positive number of characters, or None")
     if eos_token is not None and tokenizer_path is None:
         raise DataError(f"eos_token={eos_token!r} without a tokenizer: the BPE trained here ends documents with {EOS!r}")
     if not 0 < eval_fraction < 1:  # eval_blocks holds out every round(1 / eval_fraction)-th block
@@ -298,7 +422,7 @@ def prepare_data(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        _build(docs, tmp, vocab_size, tokenizer_path, eval_fraction, source, eos_token)
+        _build(docs, tmp, vocab_size, tokenizer_path, eval_fraction, source, eos_token, piece_chars)
         _check_replaceable(out)  # nothing of someone else's arrived there while we worked
         _install(tmp, out)
     except BaseException:
