@@ -30,7 +30,7 @@ def test_every_rank_is_in_exactly_one_group_of_each_kind():
         (ParallelLayout(2, 1, 1), 4, 8, "dp=2 x pp=1 = 2 does not equal world_size=4"),
         (ParallelLayout(4, 3, 1), 4, 6, "ep=3 does not divide dp=4"),
         (ParallelLayout(4, 4, 1), 4, 6, "num_experts=6 is not divisible by ep=4"),
-        (ParallelLayout(2, 2, 1), 2, 0, "num_experts=0 is not divisible by ep=2"),
+        (ParallelLayout(2, 2, 1), 2, 0, "ep=2 with a dense model (num_experts=0): there are no experts to split"),
         (ParallelLayout(0, 1, 1), 0, 8, "dp=0 must be a positive integer"),
     ],
 )

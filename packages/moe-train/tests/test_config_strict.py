@@ -151,6 +151,15 @@ def test_values_that_would_overflow_in_torch_or_datetime_exit_2_naming_the_bound
     assert message in error_line(capsys, ["info", override])
 
 
+@pytest.mark.parametrize("override,message", [
+    ("--train.save_interval=-1", "train.save_interval=-1: expected >= 0 (0 disables)"),
+    ("--train.eval_interval=-5", "train.eval_interval=-5: expected >= 0 (0 disables)"),
+])
+def test_a_negative_interval_is_named_alone(override, message, capsys):
+    """It was reported as the pair `train.eval_interval/save_interval=(50, -1)`, naming neither field alone."""
+    assert message in error_line(capsys, ["info", override])
+
+
 def test_a_yaml_float_too_large_to_hold_an_integer_exactly_is_refused(tmp_path, capsys):
     (tmp_path / "c.yaml").write_text("train:\n  seed: 9007199254740993.0\n")
     line = error_line(capsys, ["info", "--config", str(tmp_path / "c.yaml")])

@@ -161,3 +161,15 @@ def test_a_run_stopped_by_a_signal_prints_one_line_and_exits_with_the_signals_co
     assert lines[0].startswith(f"moe-train: stopped by {want}"), lines
     end = json.loads((run / "metrics.jsonl").read_text().strip().splitlines()[-1])
     assert end["event"] == "end" and end["status"] == "interrupted", end
+
+
+def test_a_resume_with_nothing_left_to_train_says_so(shared, tmp_path, capsys):
+    """A run already at train.steps, started again, exited 0 with a summary of null losses and, with the progress
+    bar off, not a word about why."""
+    run = tmp_path / "run"
+    args = _train_args(shared / "data", run)
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "train.steps=4: the run is already at step 4" in err and "nothing to train" in err, err

@@ -71,6 +71,11 @@ class ParallelLayout:
                 f"parallel layout: ep={self.ep} does not divide dp={self.dp} "
                 f"(expert parallelism is folded over the data-parallel ranks)"
             )
+        if self.ep > 1 and num_experts == 0:
+            raise ValueError(
+                f"parallel layout: ep={self.ep} with a dense model (num_experts=0): there are no experts to split "
+                "over expert-parallel ranks; use ep=1"
+            )
         if self.ep > 1 and (num_experts <= 0 or num_experts % self.ep != 0):
             raise ValueError(
                 f"parallel layout: num_experts={num_experts} is not divisible by ep={self.ep} "

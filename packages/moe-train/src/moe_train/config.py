@@ -299,8 +299,8 @@ def validate(cfg: Config) -> Config:
     _check(t.lr_schedule == "wsd" or t.lr_decay_fraction == default_fraction, "train.lr_decay_fraction",
            t.lr_decay_fraction, f"{default_fraction} (its default) with train.lr_schedule={t.lr_schedule}: only wsd "
            "reads it; set train.lr_schedule=wsd or leave lr_decay_fraction out")
-    _check(t.eval_interval >= 0 and t.save_interval >= 0, "train.eval_interval/save_interval",
-           (t.eval_interval, t.save_interval), ">= 0 (0 disables)")
+    for name in ("eval_interval", "save_interval"):
+        _check(getattr(t, name) >= 0, f"train.{name}", getattr(t, name), ">= 0 (0 disables)")
     _check(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, ">= 0 (0 disables)")
     _check(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, ">= 0")
     for name in ("beta1", "beta2"):

@@ -315,6 +315,9 @@ class Trainer:
                 self.log.rewind(self.step if resumed else -1)
                 if resumed and t.progress:
                     print(f"resumed from {resume_from} at step {self.step} of {t.steps}", flush=True)
+                if self.step >= t.steps:  # the summary then has no loss: say why, with or without a progress bar
+                    warnings.warn(f"train.steps={t.steps}: the run is already at step {self.step} ({resume_from}), "
+                                  "so there is nothing to train; raise train.steps to go on", stacklevel=2)
             with self.async_saver or nullcontext():
                 summary = self._run(resumed)
             self.ctrl_c.check()  # one dropped while the last save was settling
