@@ -137,6 +137,13 @@ def test_a_run_stopped_by_non_finite_losses_names_the_steps_of_the_streak(shared
     assert "non-finite for 1 consecutive steps (step 1);" in capsys.readouterr().err
 
 
+def _default_stop_signals() -> None:
+    """preexec_fn: the child starts with SIGINT / SIGTERM at their defaults. A job started in the background by a
+    non-interactive shell (`cmd &`) inherits SIGINT ignored, and Python then installs no Ctrl-C handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_run_stopped_by_a_signal_prints_one_line_and_exits_with_the_signals_code(shared, tmp_path, signum):
     """SIGTERM (torchrun stopping the other ranks, a scheduler) or Ctrl-C in the middle of a run: every rank printed
@@ -145,7 +152,8 @@ def test_a_run_stopped_by_a_signal_prints_one_line_and_exits_with_the_signals_co
     run = tmp_path / "run"
     args = _train_args(shared / "data", run, save_interval=1)
     args[args.index("--train.steps=4")] = "--train.steps=100000"
-    proc = subprocess.Popen([sys.executable, "-m", "moe_train", *args], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "moe_train", *args], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_stop_signals)
     try:
         deadline = time.monotonic() + 120
         while not list((run / "checkpoints").glob("step-*")) and time.monotonic() < deadline:  # training is on
