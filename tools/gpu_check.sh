@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call (each part fits the 10-minute limit). Results land in $OUT.
-# usage (on the GPU machine, repo root):  bash tools/gpu_check.sh COMMIT [kernels|model]
+# usage (on the GPU machine, repo root):  bash tools/gpu_check.sh COMMIT [kernels|tests|model]
 #   kernels (default): GPU tests (kernels + model), then the MoE block benchmark
+#   tests:             every test marked gpu in the workspace (97 at 16d5dcc, ~7.5 min on the H200)
 #   model:             training benches, fine-grained E=8/32/128, fp32 weights and bf16 resident
 #                      weights (distributed optimizer at world size 1), one optimizer step per micro-batch
 set -u
@@ -28,6 +29,9 @@ case "$part" in
     stage kernel_bench 240 python3 packages/moe-kernels/bench/bench_moe_block.py --iters 6 --commit "$commit" \
       --out "$out/h200_moe_block.json"
     ;;
+  tests)
+    stage gpu_tests_all 570 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10
+    ;;
   model)
     for e in 8 32 128; do
       stage "train_bench_e$e" 100 python3 -m moe_train bench --preset "fine-grained-e$e" --steps 5 --warmup 3 \
@@ -36,5 +40,5 @@ case "$part" in
         --parallel.param_dtype=bf16 --out "$out/bench_fg_e${e}_bf16.json"
     done
     ;;
-  *) echo "unknown part '$part': expected kernels or model" >&2; exit 2 ;;
+  *) echo "unknown part '$part': expected kernels, tests or model" >&2; exit 2 ;;
 esac
