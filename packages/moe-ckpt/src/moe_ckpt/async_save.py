@@ -12,13 +12,22 @@ and removes its tmp folder (save_checkpoint does). On the exception path a save 
 as a note to the exception already leaving, never raised over it. The save's barriers run on the
 background threads of all ranks, not on the training loop's threads, so a rank whose loop raised
 still meets the others there: waiting is bounded by the barrier group's timeout.
+
+A save still in flight when the interpreter exits (no `with` block, no `wait()`) is waited for at exit, with a
+line on stderr saying so and one saying how it ended, instead of its daemon thread being killed and the save
+lost without a word. Waiting, not only warning, because every rank that exits runs the same wait: the save's
+barriers then meet on the background threads exactly as they do when a `with` block is left, bounded by the
+barrier group's timeout when a peer is gone (Ctrl-C abandons the wait; the next save removes the tmp folder).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +105,7 @@ class AsyncCheckpointer:
                 stats.write_s = time.perf_counter() - start
 
         self._thread = threading.Thread(target=run, name="moe-ckpt-async-save", daemon=True)
+        _settle_at_exit(self)
         self._thread.start()
 
     def wait(self) -> SaveStats | None:
@@ -149,6 +159,51 @@ class AsyncCheckpointer:
         if on_cuda:
             torch.cuda.synchronize()
         return out
+
+
+_UNSETTLED: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()  # checkpointers that started a save
+_exit_hook: list[bool] = []  # [True] once _settle_all is registered
+
+
+def _settle_at_exit(checkpointer: AsyncCheckpointer) -> None:
+    """Settle `checkpointer`'s save at interpreter exit if nobody does before. The hook is threading's exit hook
+    (what concurrent.futures uses), registered at the first save: it runs before the one concurrent.futures
+    registered on import, after which no executor takes work (the shard writer uses one). An `atexit` handler
+    runs after that, too late: the save then failed with "cannot schedule new futures after interpreter shutdown"."""
+    if not _exit_hook:
+        register = getattr(threading, "_register_atexit", atexit.register)  # private, CPython >= 3.9
+        try:
+            register(_settle_all)
+        except RuntimeError:  # a save started while the interpreter is shutting down: its caller waits, or nobody
+            return
+        _exit_hook.append(True)
+    _UNSETTLED.add(checkpointer)
+
+
+def _settle_all() -> None:
+    for checkpointer in list(_UNSETTLED):
+        _settle(checkpointer)
+
+
+def _settle(checkpointer: AsyncCheckpointer) -> None:
+    """Wait for a save nobody waited for, saying so on stderr, and say how it ended: committed, failed, abandoned."""
+    if checkpointer._thread is None and checkpointer._error is None:
+        return  # wait() was called: its caller saw how the save ended
+    path = checkpointer._pending.path if checkpointer._pending is not None else "the last save"
+    if checkpointer.busy:
+        print(f"moe-ckpt: the interpreter is exiting with the checkpoint save of {path} in flight (no wait(), no "
+              "`with AsyncCheckpointer()` block left): waiting for it to commit, at most the barrier group's "
+              "timeout when another rank is gone (Ctrl-C abandons it)", file=sys.stderr, flush=True)
+    try:
+        checkpointer.wait()
+    except KeyboardInterrupt:
+        print(f"moe-ckpt: the checkpoint save of {path} was abandoned at exit; it is not committed (the next save "
+              "removes its tmp folder)", file=sys.stderr, flush=True)
+    except BaseException as err:  # noqa: BLE001 - at exit there is no caller left to raise it to
+        print(f"moe-ckpt: the checkpoint save of {path} failed and is not committed: {type(err).__name__}: {err}",
+              file=sys.stderr, flush=True)
+    else:
+        print(f"moe-ckpt: the checkpoint save of {path} committed at exit", file=sys.stderr, flush=True)
 
 
 class _Failed(list):

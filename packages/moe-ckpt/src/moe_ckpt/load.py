@@ -34,7 +34,7 @@ from moe_ckpt.errors import (
 )
 from moe_ckpt.geometry import Box, FlatRange, Region, as_boxes, check_region, describe, intersect
 from moe_ckpt.index import Index, Piece, read_index
-from moe_ckpt.run_dir import INDEX, LATEST, METADATA, find_latest
+from moe_ckpt.run_dir import INDEX, METADATA, find_latest
 from moe_ckpt.shard_file import file_checksum
 from moe_ckpt.spec import LoadRequest, dtype_from_name, dtype_name, safetensors_code
 
@@ -268,7 +268,7 @@ def _assemble(index: Index, files: _Files, req: LoadRequest, device, require_fin
     dtype = dtype_from_name(entry.dtype)
     region = req.region if req.region is not None else Box.whole(entry.shape)
     dest = req.out  # checked by _validate
-    if dest is not None and not _views_of(dest, region):  # e.g. a transposed buffer for a flat range
+    if dest is not None and isinstance(region, FlatRange) and not _flattens_as_view(dest):  # e.g. a transposed one
         got = _assemble(index, files, dataclasses.replace(req, out=None), dest.device, require_finite, True)
         return dest.copy_(got.reshape(dest.shape))
     whole = _contained_read(files, entry.pieces, region, entry.shape)
@@ -315,10 +315,11 @@ def _assemble(index: Index, files: _Files, req: LoadRequest, device, require_fin
     return dest
 
 
-def _views_of(dest: torch.Tensor, region: Region) -> bool:
-    """Whether the assembly's views of `out` exist: its shape as the region's box, or it flattened."""
+def _flattens_as_view(dest: torch.Tensor) -> bool:
+    """Whether a flat range's assembly can write through `out` flattened (a view, not a copy). A box's `out` has the
+    box's shape (_check_out), and a view to a tensor's own shape always exists, whatever its strides."""
     try:
-        dest.view(region.lengths) if isinstance(region, Box) else dest.view(-1)
+        dest.view(-1)
     except RuntimeError:
         return False
     return True

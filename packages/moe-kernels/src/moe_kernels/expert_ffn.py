@@ -28,7 +28,17 @@ from moe_kernels.route_map import RouteMap
 from moe_kernels.triton import use_triton
 
 
+# SwiGLU and the GEMMs around it compute in these on every backend (torch has no silu for integer
+# or fp8 tensors, and the combine refuses complex rows only after both GEMMs ran)
+EXPERT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _check_weights(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    if x.dtype not in EXPERT_DTYPES:
+        raise ValueError(
+            f"the expert rows are {x.dtype}: the SwiGLU experts compute in "
+            f"{', '.join(str(d) for d in EXPERT_DTYPES)}; cast x and the expert weights to one of them"
+        )
     if w_gate_up.dim() != 3 or w_down.dim() != 3:
         raise ValueError(f"w_gate_up {tuple(w_gate_up.shape)} and w_down {tuple(w_down.shape)} are not [E, d, 2h], [E, h, d]")
     E, d, two_h = w_gate_up.shape

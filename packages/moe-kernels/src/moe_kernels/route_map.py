@@ -35,8 +35,13 @@ class RouteMap:
     dest_row: torch.Tensor
 
     def __post_init__(self):
-        """A map built by hand (another dispatcher) is held to the shapes build_route_map gives,
-        and its tensors are made contiguous: the kernels index them as flat arrays."""
+        """A map built by hand (another dispatcher) is held to the types, shapes, integer dtypes and
+        single device build_route_map gives (metadata only, no host read: `validate()` checks the
+        values), and its tensors are made contiguous: the kernels index them as flat arrays."""
+        for name in ("num_tokens", "top_k", "num_experts"):
+            object.__setattr__(self, name, _host_int(f"RouteMap.{name}", getattr(self, name)))
+        for name in _TENSOR_FIELDS:
+            require_tensor(f"RouteMap.{name}", getattr(self, name), "(a 1-D integer tensor)")
         if self.top_k < 1 or self.num_experts < 1 or self.num_tokens < 0:
             raise ValueError(
                 f"RouteMap(num_tokens={self.num_tokens}, top_k={self.top_k}, num_experts={self.num_experts}): "
@@ -47,12 +52,39 @@ class RouteMap:
             got = tuple(getattr(self, name).shape)
             if got != want:
                 raise ValueError(f"RouteMap.{name} has shape {got}, expected {want} (T={self.num_tokens}, k={self.top_k}, E={e})")
-        for name in ("counts", "offsets", "sort_order", "dest_row"):
+        devices = {name: getattr(self, name).device for name in _TENSOR_FIELDS}
+        if len(set(devices.values())) > 1:
+            raise ValueError(f"RouteMap tensors are on different devices ({_listed(devices)}): put them on one")
+        for name in _INDEX_FIELDS:  # (float counts are refused where they are read: validate(), the EP dispatcher)
+            _require_integer(f"RouteMap.{name}", getattr(self, name))
+        for name in _TENSOR_FIELDS:
             object.__setattr__(self, name, getattr(self, name).contiguous())  # a no-op when already contiguous
         for name in ("sort_order", "dest_row"):  # the row kernels multiply them by a row stride in their own dtype:
             t = getattr(self, name)  # int32 would wrap past 2**31 elements (a hand-built map's choice)
-            if not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype in (torch.int64, torch.bool)):
+            if t.dtype != torch.int64:
                 object.__setattr__(self, name, t.to(torch.int64))
+
+    def validate(self) -> RouteMap:
+        """Check the values of a map built by hand; returns the map, so `RouteMap(...).validate()`.
+
+        counts >= 0 summing to T*k, offsets == cumsum(counts), sort_order a permutation of the
+        T*k flat rows and dest_row its inverse; a ValueError names the first value that breaks one.
+        Reads the map back to the host (a sync on a GPU), so it is opt-in, once per hand-built map,
+        and not for inside torch.compile or a CUDA-graph capture; build_route_map's maps satisfy it.
+        """
+        _require_integer("RouteMap.counts", self.counts)
+        counts, offsets = self.counts.long().cpu(), self.offsets.long().cpu()
+        _require_all("counts", counts >= 0, counts, "expected >= 0")
+        _require_all("offsets", offsets == counts.cumsum(0), offsets, f"expected cumsum(counts)={counts.cumsum(0).tolist()[:16]}")
+        if int(counts.sum()) != self.num_rows:
+            raise ValueError(f"RouteMap.counts sum to {int(counts.sum())}, expected T*k={self.num_rows}")
+        sort_order, dest_row = self.sort_order.cpu(), self.dest_row.cpu()
+        for name, t in (("sort_order", sort_order), ("dest_row", dest_row)):
+            _require_all(name, (t >= 0) & (t < self.num_rows), t, f"expected a row in [0, T*k={self.num_rows})")
+        _require_all("dest_row", dest_row[sort_order] == torch.arange(self.num_rows), dest_row[sort_order],
+                     "expected dest_row[sort_order[r]] == r (dest_row the inverse of sort_order, a permutation)",
+                     name_index="dest_row[sort_order")
+        return self
 
     @property
     def num_rows(self) -> int:
@@ -74,6 +106,38 @@ class RouteMap:
         if self.num_experts % ep_size != 0:
             raise ValueError(f"num_experts={self.num_experts} is not divisible by ep_size={ep_size}")
         return self.counts.view(ep_size, self.num_experts // ep_size).sum(dim=1, dtype=torch.int32)
+
+
+_TENSOR_FIELDS = ("counts", "offsets", "sort_order", "dest_row")
+_INDEX_FIELDS = ("offsets", "sort_order", "dest_row")  # what the kernels index with
+
+
+def _host_int(name: str, value: Any) -> int:
+    """A count known on the host as a plain int (a Python or numpy integer, or a 0-dim integer tensor)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise ValueError(f"{name}={value!r} must be an integer")
+
+
+def _require_integer(name: str, t: torch.Tensor) -> None:
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got dtype={t.dtype}")
+
+
+def _listed(named: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in named.items())
+
+
+def _require_all(name: str, ok: torch.Tensor, values: torch.Tensor, expected: str, name_index: str | None = None) -> None:
+    """Raise naming the first index where `ok` is False (ok, values: [n] on the host)."""
+    if bool(ok.all()):
+        return
+    i = int((~ok).nonzero()[0])
+    at = f"{name_index}[{i}]]" if name_index else f"{name}[{i}]"
+    raise ValueError(f"RouteMap.{at}={int(values[i])}: {expected} ({int((~ok).sum())} bad entries in all)")
 
 
 RouteMapBackend = Literal["auto", "triton", "torch", "reference"]

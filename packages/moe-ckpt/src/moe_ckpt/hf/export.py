@@ -104,6 +104,7 @@ def export_hf_folder(
     except KeyError as e:
         raise HFConversionError(f"model_config has no {e}: expected moe-train's model config as a dict "
                                 "(Config.to_dict()['model'])") from None
+    _refuse_unread_tensors(source, plan, model_config)
     _warn_unaligned_experts(model_config, dtype, out_dir)
     shard_of, total = _assign_shards(plan, dtype, max_shard_bytes)
     n_shards = shard_of[-1] + 1
@@ -128,6 +129,28 @@ def export_hf_folder(
     finally:
         shutil.rmtree(out, ignore_errors=True)
     return ExportSummary(Path(out_dir), ARCH[model_type], num_tensors, total, n_shards, time.perf_counter() - start)
+
+
+def _refuse_unread_tensors(source: TensorSource, plan: list[Entry], model_config: dict[str, Any]) -> None:
+    """A state dict holding tensors the config's plan never reads was made for another config (more layers, a
+    shared expert, biases, an untied head): exporting it would silently drop those weights and write another
+    model. Refused before anything is written. A tied model's lm_head.weight is read as embed.weight, so it must
+    equal it. A callable source cannot be listed: its reader checks its own names."""
+    if not isinstance(source, Mapping):
+        return
+    unread = sorted(set(source) - {e.ours for e in plan if e.ours is not None})
+    if model_config.get("tie_embeddings") and "lm_head.weight" in unread and "embed.weight" in source:
+        unread.remove("lm_head.weight")
+        if not torch.equal(source["lm_head.weight"], source["embed.weight"]):
+            raise HFConversionError("tensor source's lm_head.weight differs from its embed.weight, but the model "
+                                    "config has tie_embeddings=True: the export writes one of them for both; expected "
+                                    "equal tensors (or tie_embeddings=False)")
+    if unread:
+        raise HFConversionError(
+            f"tensor source has {len(unread)} tensors the model config does not describe, e.g. {unread[:3]} "
+            f"(num_layers={model_config.get('num_layers')}, num_experts={model_config.get('num_experts')}): the "
+            "weights were made for another config, and exporting would drop them; expected the config they were "
+            "trained with")
 
 
 def _warn_unaligned_experts(model_config: dict[str, Any], dtype: str, out_dir: str | Path) -> None:

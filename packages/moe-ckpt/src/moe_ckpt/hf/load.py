@@ -140,6 +140,36 @@ def _attention_defaults_hint(name: str, hf_config: dict[str, Any], model_config:
             + ": add the key(s) with the values the weights were made with")
 
 
+_TIED_HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
+_ROWS_PER_COMPARE = 4096  # the tied-head check compares this many vocabulary rows at a time, not two whole matrices
+
+
+def _tied_head_copy(folder: Path, files: dict[str, str], held_in: dict[str, str],
+                    shapes: dict[str, tuple[int, ...]], model_config: dict[str, Any]) -> set[str]:
+    """{"lm_head.weight"} when a tied-embedding folder also stores the head (some save_pretrained calls write both)
+    and it equals model.embed_tokens.weight: the same model, the copy is skipped. A head that differs is refused:
+    transformers 5 then unties the two (a different model from the config's) and transformers 4 ties them."""
+    if not model_config["tie_embeddings"] or _TIED_HEAD not in shapes:
+        return set()
+    _check_weight_map(folder, files, held_in, _TIED_HEAD)
+    if shapes[_TIED_HEAD] != shapes[_EMBED]:
+        raise HFConversionError(f"tensor {_TIED_HEAD} has shape {list(shapes[_TIED_HEAD])}, expected "
+                                f"{list(shapes[_EMBED])} (that of {_EMBED}: config.json has tie_word_embeddings=true)")
+    with open_safetensors(folder / files[_TIED_HEAD]) as h, open_safetensors(folder / files[_EMBED]) as e:
+        head, embed = h.get_slice(_TIED_HEAD), e.get_slice(_EMBED)
+        for start in range(0, shapes[_EMBED][0], _ROWS_PER_COMPARE):
+            rows = slice(start, start + _ROWS_PER_COMPARE)
+            a, b = head[rows].float(), embed[rows].float()
+            if not torch.equal(a, b):
+                raise HFConversionError(
+                    f"config.json has tie_word_embeddings=true, but the folder's {_TIED_HEAD} differs from {_EMBED} "
+                    f"(max |difference| {(a - b).abs().max().item():.3g}, from row {start}): transformers 5 loads "
+                    "such a folder untied and transformers 4 ties it, so which model it holds is ambiguous. Set "
+                    f"tie_word_embeddings to false to import {_TIED_HEAD} as its own head, or remove {_TIED_HEAD} "
+                    "from the folder to import the tied model")
+    return {_TIED_HEAD}
+
+
 def open_hf_folder(folder: str | Path) -> HFFolder:
     """Check config.json and every tensor (names, shapes); raise HFConversionError naming the first problem."""
     root = Path(folder)
@@ -168,9 +198,10 @@ def open_hf_folder(folder: str | Path) -> HFFolder:
             raise HFConversionError(
                 f"tensor {name} has shape {list(shapes[name])}, expected {list(shape)} from config.json"
                 + _attention_defaults_hint(name, hf_config, model_config))
+    tied_copy = _tied_head_copy(root, files, held_in, shapes, model_config)
     mtp_prefixes = tuple(f"model.layers.{i}." for i in mtp_layers(hf_config))
     dropped = sorted(name for name in set(shapes) - set(expected) if name.startswith(mtp_prefixes))
-    unexpected = sorted(set(shapes) - set(expected) - set(dropped))
+    unexpected = sorted(set(shapes) - set(expected) - set(dropped) - tied_copy)
     if unexpected:
         raise HFConversionError(
             f"tensor {unexpected[0]} (shape {list(shapes[unexpected[0]])}) has no counterpart in moe-train "

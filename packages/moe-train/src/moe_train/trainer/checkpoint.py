@@ -8,9 +8,11 @@ stored once; a reader that wants optim.X.master of such a checkpoint gets the fp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +20,9 @@ import torch
 from torch import nn
 
 from moe_ckpt import (
-    AsyncCheckpointer, Box, CorruptMetadataError, FlatRange, LoadRequest, ShardSpec, fail_together, find_latest, inspect_checkpoint,
-    load_checkpoint, load_metadata, save_checkpoint, step_dir, step_of,
+    AsyncCheckpointer, Box, CheckpointError, CorruptMetadataError, FlatRange, LoadRequest, ShardSpec,
+    UnsupportedFormatVersionError, fail_together, find_latest, inspect_checkpoint, list_checkpoints, load_checkpoint,
+    load_metadata, open_checkpoint, save_checkpoint, step_dir, step_of,
 )
 from moe_train.config import Config, ConfigError, ModelConfig
 from moe_train.trainer.errors import TrainingError
@@ -148,7 +151,12 @@ _TRAINER_METADATA = {  # what restore reads, and the JSON type each must be
 def check_trainer_metadata(path: Path) -> None:
     """The fields the trainer's resume reads are there with their types, before any tensor is loaded: metadata.json
     that is valid JSON but edited or written by another program fails here naming the field, not as a KeyError
-    half-way through restoring."""
+    half-way through restoring. A damaged checkpoint's error names the way back (_naming_the_way_back)."""
+    with _naming_the_way_back(path):
+        _check_trainer_fields(path)
+
+
+def _check_trainer_fields(path: Path) -> None:
     meta = load_metadata(path)
     where = path / "metadata.json"
     for key, kind in _TRAINER_METADATA.items():
@@ -266,6 +274,55 @@ def check_run_dir_writable(run_dir: str | Path, saves: bool) -> None:
                           "none)") from None
 
 
+def _reads(path: Path) -> bool:
+    """Whether checkpoint `path` passes the checks a resume starts with, without reading its tensors: index.json,
+    metadata.json and the trainer's fields in it, every shard file's size and safetensors header (checksums
+    are not computed: that would read every byte of it, on every rank)."""
+    try:
+        _check_trainer_fields(path)
+        with open_checkpoint(path, verify=False) as opened:
+            opened.check_all_files()
+    except (CheckpointError, OSError):
+        return False
+    return True
+
+
+def way_back(damaged: Path) -> str:
+    """What to do about damaged checkpoint `damaged` of a run: the newest older checkpoint that reads, and the
+    move that makes the run resume from it. Nothing is moved here: resuming silently from an older step would
+    retrain steps, and let retention delete checkpoints, without anyone having decided to."""
+    step = step_of(damaged)
+    older = [p for p in list_checkpoints(damaged.parent) if step is not None and (step_of(p) or 0) < step]
+    intact = next((p for p in reversed(older) if _reads(p)), None)
+    aside = damaged.with_name(f"{damaged.name}.damaged")
+    if intact is None:
+        return (f"checkpoint {damaged} cannot be resumed from, and no older checkpoint in {damaged.parent} reads "
+                f"either ({len(older)} checked); start again with train.resume=false and a new train.run_dir")
+    return (f"checkpoint {damaged} cannot be resumed from; the newest older one that reads is {intact.name} (step "
+            f"{step_of(intact)}; sizes and headers checked, not checksums). To resume from it, move the damaged one "
+            f"aside (mv {damaged} {aside}: moe-train ignores that name) and start the run again")
+
+
+@contextlib.contextmanager
+def _naming_the_way_back(path: Path) -> Iterator[None]:
+    """A CheckpointError raised inside, for checkpoint `path`, gets way_back(path) added to its message (the CLI
+    prints the message alone), keeping its type. A checkpoint of a newer format is not damaged: not this error."""
+    try:
+        yield
+    except UnsupportedFormatVersionError:
+        raise
+    except CheckpointError as err:
+        raise _with_message(err, f"{err}. {way_back(path)}") from err
+
+
+def _with_message(err: CheckpointError, message: str) -> CheckpointError:
+    """A copy of `err` (same type, notes and traceback) whose message is `message`."""
+    copy = type(err)(message)
+    for note in getattr(err, "__notes__", []):
+        copy.add_note(note)
+    return copy.with_traceback(err.__traceback__)
+
+
 def latest(run_dir: str | Path) -> Path | None:
     root = checkpoint_root(run_dir)
     return find_latest(root) if root.is_dir() else None
@@ -321,8 +378,9 @@ def load(path: Path, runtime: Runtime, model: nn.Module) -> dict[str, Any]:
     names = [s.global_name for s in shards]
     if len(set(names)) != len(names):
         raise RuntimeError("a rank holds two slices of one tensor; the checkpoint reader expects one")
-    data = fail_together(lambda: _read(path, shards, runtime.device), runtime.rank, runtime.world_size,
-                         lambda flags: runtime.all_reduce_sum(flags.to(runtime.device)).cpu(), f"loading {path}")
+    with _naming_the_way_back(path):
+        data = fail_together(lambda: _read(path, shards, runtime.device), runtime.rank, runtime.world_size,
+                             lambda flags: runtime.all_reduce_sum(flags.to(runtime.device)).cpu(), f"loading {path}")
     runtime.load_checkpoint_shards(lambda name, _slice: data[name])
     params = {n for n, _ in model.named_parameters()}
     with torch.no_grad():
