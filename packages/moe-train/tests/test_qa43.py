@@ -23,7 +23,7 @@ def test_export_of_a_run_on_the_embedded_corpus_with_its_own_eval_fraction_ships
     default fraction, found none and shipped no tokenizer."""
     cfg = Config(
         model=ModelConfig(vocab_size=300, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, dense_hidden=16,
-                          num_experts=2, expert_hidden=8, router=RouterConfig(top_k=1)),
+                          num_experts=2, expert_hidden=8, router=RouterConfig(top_k=1, normalize_top_k=False)),
         data=DataConfig(seq_len=16, cache_dir=str(tmp_path / "cache"), default_vocab_size=300,
                         default_max_bytes=30_000, eval_fraction=0.1),
         train=TrainConfig(steps=1, micro_batch_size=2, warmup_steps=0, eval_interval=0, save_interval=1,

@@ -103,8 +103,9 @@ def test_checkpoints_past_the_start_step_are_refused_before_training(tmp_path, d
     fresh.train.resume = False
     with pytest.raises(ConfigError, match=r"step-00000001 exists but this run starts from step 0 \(no resume\)"):
         Trainer(fresh).train()
-    fresh.train.save_interval = 0  # a run that saves nothing writes over nothing
-    assert Trainer(fresh).train()["step"] == 2
+    fresh.train.save_interval = 0  # it writes over no checkpoint, but would replace the log that led to them
+    with pytest.raises(ConfigError, match=r"holds checkpoints of an earlier run \(step-00000001, step-00000002\)"):
+        Trainer(fresh).train()
     (Path(cfg.train.run_dir) / "checkpoints" / "step-00000003").mkdir()  # incomplete: no index.json
     cfg.train.steps = 4
     with pytest.raises(ConfigError, match=r"step-00000003 exists but this run resumes from step 2"):

@@ -381,8 +381,11 @@ def _run(args, rest) -> int:
         print(f"moe-train: training stopped: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (torchrun, a scheduler): one line per rank, no traceback
+        from moe_train.trainer.ctrl_c import stop_description
+
         signum = getattr(e, "signum", signal.SIGINT)  # a Ctrl-C outside the training loop is a plain one
-        print(f"moe-train: stopped by {str(e) or 'SIGINT (Ctrl-C)'}", file=sys.stderr)
+        where = getattr(e, "stopped_at", None)  # set by the trainer once the run has started
+        print(f"moe-train: stopped by {stop_description(e)}{f', {where}' if where else ''}", file=sys.stderr)
         return 128 + signum  # the shell's code for a process the signal ended
     except ValueError as e:
         from moe_ckpt.hf import HFConversionError

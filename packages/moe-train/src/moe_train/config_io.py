@@ -7,6 +7,7 @@ import math
 import os
 import re
 import typing
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -314,7 +315,29 @@ def build_config(preset: str | None = None, yaml_path: str | None = None, overri
         set_field(cfg, key, value)
         _refuse_a_field_twice(given, key, value, "--{}", "")  # --model.router={top_k: 3} --model.router.top_k=4
     _expand_home(cfg)
-    return validate(cfg)
+    validate(cfg)
+    _warn_of_corpus_fields_a_data_folder_ignores(cfg, get_preset(str(name)))
+    return cfg
+
+
+# What only the embedded corpus reads (data.path=default: tokenized once into data.cache_dir); a folder made by
+# prepare-data has its tokenizer, vocabulary and eval split in it already.
+CORPUS_ONLY_FIELDS = ("default_vocab_size", "default_max_bytes", "cache_dir", "eval_fraction")
+
+
+def _warn_of_corpus_fields_a_data_folder_ignores(cfg: Config, preset: Config) -> None:
+    """A field of CORPUS_ONLY_FIELDS changed from the preset's value (in the file or on the command line) while
+    data.path names a prepared folder is warned about: it is ignored. Not refused: a config file written from a whole
+    config (`moe-train info`) holds every field, and one file may serve runs on either kind of data."""
+    if cfg.data.path == "default":
+        return
+    for name in CORPUS_ONLY_FIELDS:
+        value = getattr(cfg.data, name)
+        if value != getattr(preset.data, name):
+            warnings.warn(f"data.{name}={value!r} is ignored: only the embedded corpus (data.path=default) reads it, "
+                          f"and data.path={cfg.data.path!r} is a folder prepared by `moe-train prepare-data` (its "
+                          "tokenizer, vocabulary and eval split were fixed there); drop it, or prepare the folder "
+                          "again with the setting you want", stacklevel=3)
 
 
 def _refuse_a_field_twice(given: dict[str, tuple[str, Any]], key: str, value: Any, spell: str, where: str) -> None:

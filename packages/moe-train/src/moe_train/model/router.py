@@ -10,12 +10,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_kernels.triton import at_own_dtype
-from moe_train.config import RouterConfig
+from moe_train.config import ConfigError, ModelConfig, RouterConfig
 
 
 # The scalar health sums a router keeps beside its per-expert load and probability sums (see take_stats).
 STAT_SCALARS = ("tokens", "margin", "lb", "z", "calls", "dropped")
 _DROPPED = STAT_SCALARS.index("dropped")  # the last: counted by the MoE layer after dispatch, not in forward
+
+
+def refuse_a_router_the_loss_cannot_train(m: ModelConfig) -> None:
+    """top_k=1 with normalize_top_k: the one selected weight divided by itself is exactly 1, so the language-model
+    loss sends the router no gradient and only the balancing losses move it (Megatron-Core refuses the same: a
+    softmax after a top-1). A model with these fields still loads, runs and exports; training one is refused."""
+    r = m.router
+    if m.num_experts > 0 and r.routing == "learned" and r.top_k == 1 and r.normalize_top_k:
+        raise ConfigError("model.router.normalize_top_k=true with model.router.top_k=1: the one selected weight "
+                          "renormalises to exactly 1, so the loss gives the router no gradient (only its balancing "
+                          "losses would train it); set model.router.normalize_top_k=false (the expert's output is "
+                          "scaled by its routing probability, as Switch Transformer and DeepSeek's gate do at top-1), "
+                          "or model.router.top_k >= 2")
 
 
 @dataclass

@@ -29,6 +29,12 @@ def stop_signal(signum: int, *args: object) -> KeyboardInterrupt:
     return stop
 
 
+def stop_description(stop: KeyboardInterrupt) -> str:
+    """What stopped the run, in words: the signal a CtrlCWatch named, or Ctrl-C for a bare KeyboardInterrupt
+    (Python's own handler, outside the training loop); str(KeyboardInterrupt()) is empty."""
+    return str(stop) or "SIGINT (Ctrl-C)"
+
+
 class CtrlCWatch:
     def __init__(self) -> None:
         self.pressed = False
@@ -50,7 +56,7 @@ class CtrlCWatch:
         self._signum = signum
         if signum == signal.SIGINT:
             self._reason = "Ctrl-C"
-            raise stop_signal(signum)
+            raise stop_signal(signum, "SIGINT (Ctrl-C)")
         self._reason = "SIGTERM"
         raise stop_signal(signum, "SIGTERM: the job was told to stop (torchrun after another rank failed, or a scheduler)")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -15,12 +16,14 @@ from tqdm import tqdm
 from moe_train.config import Config, ConfigError, validate
 from moe_train.data import DataError, WindowSampler, eval_windows, open_data
 from moe_train.model import Transformer, count_params, flops_per_token
+from moe_train.model.router import refuse_a_router_the_loss_cannot_train
 from moe_ckpt import AsyncCheckpointer, capture_rng_state, restore_rng_state, step_of
 from moe_train.trainer import checkpoint as ckpt
-from moe_train.trainer.ctrl_c import CtrlCWatch
-from moe_train.trainer.data_setup import resolve_data_dir
+from moe_train.trainer.ctrl_c import CtrlCWatch, stop_description
+from moe_train.trainer.data_setup import check_embedded_corpus_settings, resolve_data_dir
 from moe_train.trainer.metrics import MetricsLog, max_over_ranks, peak_memory_gib, router_health
 from moe_train.trainer.mfu import peak_tflops
+from moe_train.trainer.run_history import check_fresh_start_loses_no_history
 from moe_train.trainer.run_lock import RunFolderBusyError, RunFolderLock
 from moe_train.trainer.runtime import Runtime
 from moe_train.trainer.launch import make_runtime
@@ -47,11 +50,8 @@ class Trainer:
         if (Path(t.run_dir) / "metrics.jsonl").is_dir():  # the run log is written there, line by line
             raise ConfigError(f"train.run_dir={t.run_dir!r} holds a folder named metrics.jsonl: expected the run's "
                               "log file there (move the folder, or use another train.run_dir)")
-        d = cfg.data
-        if d.path == "default" and d.default_vocab_size > cfg.model.vocab_size:  # known before tokenizing the corpus
-            raise ConfigError(f"data.default_vocab_size={d.default_vocab_size}: expected <= model.vocab_size="
-                              f"{cfg.model.vocab_size} (the embedded corpus's BPE emits ids the model must embed); "
-                              f"set data.default_vocab_size={cfg.model.vocab_size} or raise model.vocab_size")
+        check_embedded_corpus_settings(cfg)
+        refuse_a_router_the_loss_cannot_train(cfg.model)
         if t.threads > 0:
             torch.set_num_threads(t.threads)
         self.runtime = runtime or make_runtime(cfg, pick_device(t.device))
@@ -103,19 +103,28 @@ class Trainer:
         """Rank 0 takes the run folder's lock (one job per run folder) and checks that the folder, and its
         checkpoints/ when the run saves, take new files: every rank raises if it cannot, before the first step
         (the first save would fail with the steps since the start lost)."""
-        busy: ConfigError | None = None
+        def lock_and_probe() -> None:
+            self.run_lock = RunFolderLock(self.cfg.train.run_dir)
+            ckpt.check_run_dir_writable(self.cfg.train.run_dir, saves=self.cfg.train.save_interval > 0)
+
+        self._checked_on_rank0(lock_and_probe, RunFolderBusyError(
+            f"train.run_dir={self.cfg.train.run_dir!r} is in use by another job or cannot be written (rank 0 could "
+            "not lock it or write in it; its error says which)"))
+
+    def _checked_on_rank0(self, check: Callable[[], None], on_other_ranks: ConfigError) -> None:
+        """Rank 0 runs `check` (the run folder is rank 0's to judge); its ConfigError is raised there and
+        `on_other_ranks` everywhere else, so every rank stops together (one all-reduce)."""
+        refused: ConfigError | None = None
         if self.is_main:
             try:
-                self.run_lock = RunFolderLock(self.cfg.train.run_dir)
-                ckpt.check_run_dir_writable(self.cfg.train.run_dir, saves=self.cfg.train.save_interval > 0)
+                check()
             except ConfigError as e:
-                busy = e
-        flag = self.runtime.all_reduce_sum(torch.tensor([float(busy is not None)], device=self.device))
-        if busy is not None:
-            raise busy
+                refused = e
+        flag = self.runtime.all_reduce_sum(torch.tensor([float(refused is not None)], device=self.device))
+        if refused is not None:
+            raise refused
         if flag.item() > 0:
-            raise RunFolderBusyError(f"train.run_dir={self.cfg.train.run_dir!r} is in use by another job or cannot be "
-                                     "written (rank 0 could not lock it or write in it; its error says which)")
+            raise on_other_ranks
 
     def _close_runtime(self, e: BaseException) -> None:
         """Close the runtime after `e` (the error to report): a failure to close becomes a note on e."""
@@ -255,6 +264,11 @@ class Trainer:
             ckpt.check_not_past_the_end(path, self.cfg.train.steps)
         if self.cfg.train.save_interval > 0:  # a run that saves nothing writes over nothing
             ckpt.check_no_checkpoints_after(self.run_dir, step_of(path) if path else 0, self.cfg.train.resume)
+        if path is None:  # its log's step records go: refused when they are an earlier run's history
+            self._checked_on_rank0(
+                lambda: check_fresh_start_loses_no_history(self.run_dir, self.cfg.train.resume),
+                ConfigError(f"train.run_dir={self.cfg.train.run_dir!r}: rank 0 refused to start over its metrics.jsonl "
+                            "(its error says why)"))
         return path
 
     def restore(self, path: Path) -> None:
@@ -331,12 +345,23 @@ class Trainer:
         return summary
 
     def _log_stop(self, e: BaseException) -> None:
-        """The end event of a run stopped by `e` (a TrainingError, Ctrl-C, a failed save...); never raised over e."""
+        """The end event of a run stopped by `e` (a TrainingError, Ctrl-C, a failed save...); never raised over e.
+        A Ctrl-C or SIGTERM says which and where (its KeyboardInterrupt has no text of its own), and carries the
+        where as `stopped_at` for the CLI's line."""
+        interrupted = isinstance(e, KeyboardInterrupt)
+        if interrupted:
+            e.stopped_at = self._progress()
+        error = f"{type(e).__name__}: {stop_description(e) + ', ' + e.stopped_at if interrupted else e}"
         try:
-            self.log.write({"event": "end", "status": "interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
-                            "step": self.step, "skipped_steps": self.skipped_steps, "error": f"{type(e).__name__}: {e}"})
+            self.log.write({"event": "end", "status": "interrupted" if interrupted else "failed",
+                            "step": self.step, "skipped_steps": self.skipped_steps, "error": error})
         except Exception as err:  # noqa: BLE001 - e is the error to report
             e.add_note(f"could not write the end event to {self.log.path}: {err}")
+
+    def _progress(self) -> str:
+        """Where the run is, as metrics.jsonl numbers the steps (self.step counts the steps done)."""
+        steps = self.cfg.train.steps
+        return f"after step {self.step} of {steps}" if self.step else f"before step 1 of {steps}"
 
     def _run(self, resumed: bool) -> dict[str, Any]:
         t, rt = self.cfg.train, self.runtime
