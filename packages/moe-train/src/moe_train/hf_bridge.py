@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from moe_ckpt import LoadRequest, load_metadata, open_checkpoint
 from moe_ckpt.hf import (
     ExportSummary, HFConversionError, TensorSource, choose_model_type, export_hf_folder, open_hf_folder, open_safetensors,
-    read_json_object,
+    read_json_object, write_folder_whole,
 )
 from moe_train.config import Config, ConfigError
 from moe_train.config_io import config_from_dict, export_config_from_dict
@@ -248,6 +248,7 @@ def _check_import_out(folder: Path, out: Path) -> None:
     if folder.is_dir() and out.resolve() == folder.resolve():
         raise HFConversionError(f"out_dir={str(out)!r} is the Hugging Face folder being imported: its config.json and "
                                 "model.safetensors would be replaced by ours; choose another out_dir")
+    # ".tmp-": the per-file temporary names imports of moe-train <= 0.14.0 could leave; they go with the folder
     foreign = sorted(p.name for p in out.iterdir() if p.name not in IMPORT_FILES and ".tmp-" not in p.name)
     if foreign or not (out / HF_EXTRA_FILE).is_file():
         what = f"holds {foreign[:5]}, which import-hf does not write" if foreign else f"has no {HF_EXTRA_FILE}"
@@ -275,25 +276,17 @@ def import_hf(
     cfg = config_from_dict(merged)
     state = dict(hf.tensors())
     if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
         unique = {k: v for k, v in state.items() if not (k == "lm_head.weight" and cfg.model.tie_embeddings)}
-        # Each file under a temporary name first: an interrupted import never leaves a truncated
-        # model.safetensors (or a new config beside old weights) under the names export_hf reads.
-        tmp, names = f".tmp-{os.getpid()}", [HF_EXTRA_FILE, "config.json", "model.safetensors"]
         tokenizer = Path(folder) / TOKENIZER_FILE
-        try:
-            if tokenizer.is_file():
-                shutil.copyfile(tokenizer, out / f"{TOKENIZER_FILE}{tmp}")
-                names.insert(0, TOKENIZER_FILE)
-            save_file({k: v.contiguous() for k, v in unique.items()}, str(out / f"model.safetensors{tmp}"))
-            (out / f"config.json{tmp}").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-            (out / f"{HF_EXTRA_FILE}{tmp}").write_text(json.dumps(hf.extra_config, indent=2) + "\n")
-            if not tokenizer.is_file():  # an earlier import's tokenizer belongs to another model
-                (out / TOKENIZER_FILE).unlink(missing_ok=True)
-            for name in names:
-                os.replace(out / f"{name}{tmp}", out / name)
-        finally:
-            for name in names:
-                (out / f"{name}{tmp}").unlink(missing_ok=True)
+
+        def write(out: Path) -> None:
+            if tokenizer.is_file():  # an earlier import's tokenizer belongs to another model: not carried over
+                shutil.copyfile(tokenizer, out / TOKENIZER_FILE)
+            save_file({k: v.contiguous() for k, v in unique.items()}, str(out / "model.safetensors"))
+            (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            (out / HF_EXTRA_FILE).write_text(json.dumps(hf.extra_config, indent=2) + "\n")
+
+        # The files are written into a new folder beside out_dir, which then replaces it whole: an interrupted
+        # import leaves the earlier import as it was, never a new config.json beside its weights.
+        write_folder_whole(out_dir, write, check=lambda final: _check_import_out(Path(folder), final), what="import")
     return cfg, state

@@ -8,12 +8,8 @@ is read, so at most one shard (in the output dtype) plus the tensor being conver
 from __future__ import annotations
 
 import json
-import os
-import re
 import shutil
-import socket
 import time
-import uuid
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -23,6 +19,7 @@ from typing import Any, Union
 import torch
 from safetensors.torch import save_file
 
+from moe_ckpt.hf.folder_swap import write_folder_whole
 from moe_ckpt.hf.layout import Entry, build_plan, to_hf
 from moe_ckpt.hf.load import read_json_object
 from moe_ckpt.hf.spec import ARCH, DTYPES, HFConversionError, choose_model_type, to_hf_config
@@ -90,7 +87,7 @@ def export_hf_folder(
     The folder is written whole under a temporary name beside out_dir and renamed into place at
     the end: a failure leaves out_dir as it was. An existing out_dir is replaced only when it is
     empty or holds nothing but a previous export's files; anything else is refused up front.
-    What killed exports to the same out_dir left beside it is cleaned up first (`_clean_leftovers`).
+    What killed exports to the same out_dir left beside it is cleaned up first (`folder_swap`).
     """
     if dtype not in DTYPES:
         raise HFConversionError(f"dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
@@ -108,26 +105,19 @@ def export_hf_folder(
     _warn_unaligned_experts(model_config, dtype, out_dir)
     shard_of, total = _assign_shards(plan, dtype, max_shard_bytes)
     n_shards = shard_of[-1] + 1
-    # A link to a folder is written through: the export replaces the folder it points to (beside which the
-    # temporary folder is made, on its file system) and the link stays. Renaming the link itself aside would put
-    # the export where the link is and leave the link behind as a leftover no later export removes.
-    final = Path(os.path.realpath(out_dir)) if Path(out_dir).is_symlink() else Path(out_dir)
     if tokenizer_json is not None and not Path(tokenizer_json).is_file():  # before any shard is written
         raise HFConversionError(f"tokenizer_json={str(tokenizer_json)!r} is not a file; "
                                 "expected a tokenizers tokenizer.json")
     if tokenizer_json is not None:
         _added_tokens(Path(tokenizer_json))  # a damaged file fails here too, not after every shard is written
         _check_tokenizer_fits(Path(tokenizer_json), model_config["vocab_size"])
-    _clean_leftovers(final)
-    _check_replaceable(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    out = _beside(final, "tmp")
-    out.mkdir()
-    try:
-        num_tensors = _write_folder(out, plan, shard_of, n_shards, total, source, dtype, hf_config, tokenizer_json)
-        _replace(final, out)
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
+    # A link to a folder is written through (write_folder_whole): the export replaces the folder it points to and
+    # the link stays. Renaming the link itself aside would put the export where the link is and leave the link
+    # behind as a leftover no later export removes.
+    num_tensors = write_folder_whole(
+        out_dir, lambda out: _write_folder(out, plan, shard_of, n_shards, total, source, dtype, hf_config,
+                                           tokenizer_json),
+        check=_check_replaceable, what="export")
     return ExportSummary(Path(out_dir), ARCH[model_type], num_tensors, total, n_shards, time.perf_counter() - start)
 
 
@@ -185,95 +175,12 @@ def _check_replaceable(final: Path) -> None:
         return
     if not final.is_dir():
         raise HFConversionError(f"out_dir={str(final)!r} is a file; expected a folder to write the export into")
-    if os.path.samefile(final, os.curdir):
-        # '.' cannot be renamed (EBUSY); the same folder by its path is renamed aside and deleted, leaving this process
-        # (and a shell in it) in a deleted folder that os.getcwd() no longer finds.
-        raise HFConversionError(
-            f"out_dir={str(final)!r} is the current directory ({os.getcwd()}): the export renames a new folder into "
-            "out_dir's place, which would leave this process in a deleted folder; run from another directory")
     foreign = sorted(p.name for p in final.iterdir() if not (p.is_file() and _is_export_file(p.name)))
     if foreign:
         raise HFConversionError(
             f"out_dir={str(final)!r} holds files that are not a Hugging Face export of ours "
             f"({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); export into an empty or new folder"
         )
-
-
-def _beside(final: Path, kind: str) -> Path:
-    """`.NAME.tmp-HOST-PID-XXXXXXXX` (the folder being written) or `.NAME.old-HOST-PID-XXXXXXXX` (the previous
-    export, moved aside): hidden, beside `final`, naming the host and process that own it."""
-    return final.parent / f".{final.name}.{kind}-{_host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-def _host_tag() -> str:
-    """This host's name as `_beside` writes it: a pid means something only on the host that wrote it (on a
-    shared file system another host may run a live process with the same pid)."""
-    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "unknown-host"
-
-
-def _leftover_pattern(final: Path) -> re.Pattern[str]:
-    """The names `_beside` makes for `final`, and those of moe-ckpt 0.5.0 (no host) and <= 0.4.1 (no pid)."""
-    return re.compile(rf"\.{re.escape(final.name)}\.(tmp|old)-(?:(?:([A-Za-z0-9._-]+)-)?([1-9][0-9]*)-)?[0-9a-f]{{8}}")
-
-
-def _running(pid: int) -> bool:
-    if pid == os.getpid():  # another export in this process (a thread), or ours: not a leftover
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # PermissionError: alive, another user's
-        return True
-    return True
-
-
-def _clean_leftovers(final: Path) -> None:
-    """Remove what killed exports to `final` left beside it: `.NAME.tmp-*` folders (a partial export) and
-    `.NAME.old-*` folders (the export before it, moved aside). Only real folders with exactly the names
-    `_beside` makes (or made without a host, moe-ckpt 0.5.0, or without a pid, up to 0.4.1), and only when
-    they were made on this host by a process that is not running; those of another host are left alone with
-    a warning (its export may be running: only that host can tell). When `final` is missing and an `.old-*`
-    folder is there, the export was stopped between its two renames: the previous export is renamed back to
-    `final` (the newest one if several), with a warning, so that it is kept if this export fails too and
-    replaced like any previous export if it succeeds."""
-    if not final.parent.is_dir():
-        return
-    pattern, host, tmp, old, foreign = _leftover_pattern(final), _host_tag(), [], [], []
-    for p in final.parent.iterdir():
-        m = pattern.fullmatch(p.name)
-        if m is None or p.is_symlink() or not p.is_dir():
-            continue
-        if m[2] is not None and m[2] != host:
-            foreign.append(p.name)
-        elif m[3] is None or not _running(int(m[3])):
-            (tmp if m[1] == "tmp" else old).append(p)
-    if foreign:
-        warnings.warn(
-            f"export to {str(final)!r}: left {', '.join(sorted(foreign))} beside it alone: made by an export on "
-            f"another host (this is {host}), which may still be running; delete them once it is not",
-            UserWarning, stacklevel=3)
-    if old and not os.path.lexists(final):
-        keep = max(old, key=lambda p: p.stat().st_mtime)
-        os.rename(keep, final)
-        old.remove(keep)
-        warnings.warn(
-            f"export to {str(final)!r}: out_dir was missing and {keep.name} beside it held the previous export, "
-            "moved aside by an export that was stopped before it moved its new folder in; restored it to "
-            f"{final.name} (this export replaces it as usual)", UserWarning, stacklevel=3)
-    for p in tmp + old:
-        shutil.rmtree(p, ignore_errors=True)
-
-
-def _replace(final: Path, new: Path) -> None:
-    """Rename `new` to `final`; a previous export at `final` is moved aside first and deleted after."""
-    old = None
-    if final.exists():
-        old = _beside(final, "old")
-        os.rename(final, old)
-    os.rename(new, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_folder(out, plan, shard_of, n_shards, total, source, dtype, hf_config, tokenizer_json) -> int:
