@@ -27,20 +27,23 @@ except ImportError:  # torch without triton: the reference everywhere
 _ROWS_PER_PROGRAM = 16
 
 
-def rope_tables(seq_len: int, rotary_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [seq_len, rotary_dim] fp32, in the rotate-half layout (rotary_dim: head_dim, or the rotated
-    part of a head under partial rotary)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim))
-    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+def rope_tables(seq_len: int, rotary_dim: int, theta: float, device: torch.device,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [seq_len, rotary_dim] fp32 (or `dtype`: float64 for a float64 model), in the rotate-half layout
+    (rotary_dim: head_dim, or the rotated part of a head under partial rotary)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=device, dtype=dtype) / rotary_dim))
+    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=dtype), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, S, hd]; cos/sin: [S, hd] fp32 -> x rotated, in x's dtype (fp32 arithmetic)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
+    """x: [B, H, S, hd]; cos/sin: [S, hd] fp32 (or float64) -> x rotated, in x's dtype (fp32 arithmetic; float64
+    when x or the tables are float64)."""
+    wide = torch.promote_types(torch.promote_types(x.dtype, cos.dtype), torch.float32)
+    x1, x2 = x.to(wide).chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated * sin).to(x.dtype)
+    return (x.to(wide) * cos + rotated * sin).to(x.dtype)
 
 
 if triton is not None:
@@ -107,6 +110,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         return torch.cat([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
     fused = (
         triton is not None and triton_can_run_on(x) and x.dim() == 4 and x.shape[-1] % 2 == 0 and x.numel() > 0
+        and x.dtype in (torch.float16, torch.bfloat16, torch.float32)  # the kernel computes in fp32: float64 is not
         and not (cos.requires_grad or sin.requires_grad)
         and cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
         and cos.shape == sin.shape == (x.shape[2], x.shape[3])

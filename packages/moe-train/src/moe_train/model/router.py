@@ -11,6 +11,7 @@ from torch import nn
 
 from moe_kernels.triton import at_own_dtype
 from moe_train.config import ConfigError, ModelConfig, RouterConfig
+from moe_train.model.layers import fp32_or_wider
 
 
 # The scalar health sums a router keeps beside its per-expert load and probability sums (see take_stats).
@@ -33,7 +34,8 @@ def refuse_a_router_the_loss_cannot_train(m: ModelConfig) -> None:
 
 @dataclass
 class RouterOutput:
-    """expert_ids: [T, k] int64; weights: [T, k] fp32; aux_loss: weighted lb + z loss (scalar)."""
+    """expert_ids: [T, k] int64; weights: [T, k] fp32 (float64 for float64 rows); aux_loss: weighted lb + z loss
+    (scalar)."""
 
     expert_ids: torch.Tensor
     weights: torch.Tensor
@@ -73,8 +75,9 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> RouterOutput:
         """x: [T, d] -> ids [T, k], weights [T, k] fp32, aux loss."""
         cfg, e, k = self.cfg, self.num_experts, self.cfg.top_k
+        wide = fp32_or_wider(x.dtype)  # float64 rows keep float64
         with at_own_dtype(x):  # fp32 under autocast too: bf16 logits would change the top-k and the losses
-            logits = F.linear(x.float(), self.weight.float())
+            logits = F.linear(x.to(wide), self.weight.to(wide))
         probs = logits.softmax(-1) if cfg.gating == "softmax" else logits.sigmoid()
         scores = probs.detach() + self.expert_bias if cfg.expert_bias else probs.detach()
         ids = self._select(scores, k)
@@ -84,8 +87,8 @@ class Router(nn.Module):
         if cfg.routed_scaling_factor != 1.0:  # skipped at 1.0: today's weights, bit for bit, and no extra graph node
             weights = weights * cfg.routed_scaling_factor
 
-        counts = torch.zeros(e, device=x.device, dtype=torch.float32)
-        counts.scatter_add_(0, ids.reshape(-1), torch.ones(ids.numel(), device=x.device))
+        counts = torch.zeros(e, device=x.device, dtype=wide)
+        counts.scatter_add_(0, ids.reshape(-1), torch.ones(ids.numel(), device=x.device, dtype=wide))
         # P_e: mean routing probability; sigmoid scores are normalised per token to be comparable with f_e.
         p = probs if cfg.gating == "softmax" else probs / probs.sum(-1, keepdim=True).clamp_min(1e-20)
         p_mean = p.mean(0)

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_precision import PrecisionRecipe
-from moe_train.config import ACTIVATION_CHECKPOINTING, ModelConfig
+from moe_train.config import ACTIVATION_CHECKPOINTING, Config, ModelConfig, validate
 from moe_train.model.attention import Attention
-from moe_train.model.layers import RMSNorm, SwiGLU
+from moe_train.model.layers import RMSNorm, SwiGLU, fp32_or_wider
 from moe_train.model.rope import rope_tables
 from moe_train.model.moe import MoELayer, RoutedExperts
 from moe_train.model.recompute import recompute_in_backward
@@ -63,6 +63,10 @@ class Transformer(nn.Module):
         """device="meta": shapes only, no memory and no initialisation; a runtime slices it for
         its rank, materialises it on its device and calls reset_parameters(seed, ...)."""
         super().__init__()
+        # A model built from a ModelConfig directly (not through build_config / the Trainer) is checked as a run's
+        # is, before anything is allocated: a bad field otherwise ran silently (an odd rotary dim, more kv heads
+        # than heads) or failed deep inside a forward with a shape error.
+        validate(Config(model=cfg))
         self.cfg = cfg
         recipe = PrecisionRecipe(cfg.precision)
         with torch.device(device) if device is not None else nullcontext():
@@ -105,18 +109,19 @@ class Transformer(nn.Module):
             else:
                 p.normal_(0.0, std, generator=_generator(seed, name, p.device))
 
-    def _rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [seq_len, rotary_dim] in fp32 (float64 for a float64 model: its angles to fp64 round-off)."""
         c = self._rope_cache
-        if c is None or c[0] < seq_len or c[1] != device:
+        if c is None or c[0] < seq_len or c[1] != device or c[2].dtype != dtype:
             with torch.inference_mode(False):  # made under inference_mode, they still serve training forwards
-                cos, sin = rope_tables(seq_len, self.cfg.rotary_dim, self.cfg.rope_theta, device)
+                cos, sin = rope_tables(seq_len, self.cfg.rotary_dim, self.cfg.rope_theta, device, dtype)
             self._rope_cache = c = (seq_len, device, cos, sin)
         return c[2][:seq_len], c[3][:seq_len]
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens: [B, S] int64 -> (logits [B, S, V], summed router aux loss)."""
         x = self.embed(tokens)
-        cos, sin = self._rope(tokens.shape[1], tokens.device)
+        cos, sin = self._rope(tokens.shape[1], tokens.device, fp32_or_wider(x.dtype))
         aux = torch.zeros((), device=tokens.device, dtype=torch.float32)
         for block in self.blocks:
             x, a = block(x, cos, sin)
@@ -124,9 +129,9 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x)), aux
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean next-token cross-entropy (fp32) and the router aux loss."""
+        """Mean next-token cross-entropy (fp32; float64 for a float64 model) and the router aux loss."""
         logits, aux = self(tokens)
-        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        ce = F.cross_entropy(logits.to(fp32_or_wider(logits.dtype)).reshape(-1, logits.shape[-1]), targets.reshape(-1))
         return ce, aux
 
     def set_activation_checkpointing(self, mode: str) -> None:
