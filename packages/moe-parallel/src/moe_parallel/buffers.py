@@ -10,6 +10,7 @@ group size g) is owned in g equal shards: rank r owns [start + r*n/g, start + (r
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -73,30 +74,16 @@ class FlatParams:
         bucket_numel: int = 1 << 25,
     ):
         named_params = list(named_params)  # model.named_parameters() is a generator
-        for i, entry in enumerate(named_params):
-            # a bare tensor (model.parameters()) would be unpacked along its first dim: two rows pass as a pair
-            if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str)
-                    and isinstance(entry[1], torch.Tensor)):
-                raise ValueError(
-                    f"FlatParams: named_params[{i}] is a {type(entry).__name__}, expected a (name, parameter) pair "
-                    "(pass model.named_parameters(), not model.parameters())"
-                )
-        if not named_params:
-            raise ValueError("FlatParams needs at least one parameter")
-        dtypes = {p.dtype for _, p in named_params}
-        if len(dtypes) != 1:
-            raise ValueError(f"parameters of one group must share a dtype, got {sorted(map(str, dtypes))}")
-        frozen = [n for n, p in named_params if not p.requires_grad]
-        if frozen:
-            raise ValueError(
-                f"FlatParams got parameters with requires_grad=False: {frozen}; leave frozen parameters out "
-                "(e.g. [(n, p) for n, p in model.named_parameters() if p.requires_grad]): they never get a "
-                "gradient, and the optimizer must not update them"
-            )
-        _refuse_repeats(named_params)
         self.group = group
         self.group_size = dist.get_world_size(group)
         self.group_rank = dist.get_rank(group)
+        try:
+            _check_named_params(named_params)
+        except ValueError as refusal:
+            # The other ranks are about to meet this one in the check below: they raise too, naming this rank,
+            # instead of waiting in that collective for a rank that has left (a hang, or gloo's "connection closed").
+            require_same_on_every_rank(group, [], "FlatParams: the parameters", collective_device(group), refusal)
+            raise
         self.shard = shard and self.group_size > 1  # a group of one keeps the whole bucket
         self.param_dtype = named_params[0][1].dtype
         self.grad_dtype = grad_dtype or self.param_dtype
@@ -203,6 +190,31 @@ class FlatParams:
         self.bind_grads()
 
 
+def _check_named_params(named_params: list) -> None:
+    """The checks one rank makes alone: (name, parameter) pairs, at least one, one dtype, none frozen, none twice."""
+    for i, entry in enumerate(named_params):
+        # a bare tensor (model.parameters()) would be unpacked along its first dim: two rows pass as a pair
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str)
+                and isinstance(entry[1], torch.Tensor)):
+            raise ValueError(
+                f"FlatParams: named_params[{i}] is a {type(entry).__name__}, expected a (name, parameter) pair "
+                "(pass model.named_parameters(), not model.parameters())"
+            )
+    if not named_params:
+        raise ValueError("FlatParams needs at least one parameter")
+    dtypes = {p.dtype for _, p in named_params}
+    if len(dtypes) != 1:
+        raise ValueError(f"parameters of one group must share a dtype, got {sorted(map(str, dtypes))}")
+    frozen = [n for n, p in named_params if not p.requires_grad]
+    if frozen:
+        raise ValueError(
+            f"FlatParams got parameters with requires_grad=False: {frozen}; leave frozen parameters out "
+            "(e.g. [(n, p) for n, p in model.named_parameters() if p.requires_grad]): they never get a "
+            "gradient, and the optimizer must not update them"
+        )
+    _refuse_repeats(named_params)
+
+
 def _refuse_repeats(named_params: list[tuple[str, nn.Parameter]]) -> None:
     """One parameter twice (its gradient would count twice) or one name twice (step counts and checkpoints key on it)."""
     names: dict[str, int] = {}
@@ -234,25 +246,55 @@ def refuse_shared_parameters(flats: list[FlatParams], owner: str) -> None:
             seen[id(slot.param)], names[slot.name] = (i, slot.name), i
 
 
-def require_same_on_every_rank(group: dist.ProcessGroup, entries: list[str], what: str, device: torch.device) -> None:
-    """Raise the same ValueError on every rank of `group` unless every rank passed the same entries.
+def collective_device(group: dist.ProcessGroup) -> torch.device:
+    """Where a small check's tensors go when a rank has no parameter to take the device from: the GPU for NCCL."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
-    One all-gather of a 16-byte digest; only when they differ, the entries themselves travel, to name
-    the first one that differs. Without this, ranks holding other shapes pair unrelated elements in
-    the gradient reduction (silently, when the sizes happen to match) or abort inside gloo / NCCL.
+
+def require_same_on_every_rank(group: dist.ProcessGroup, entries: list[str], what: str, device: torch.device,
+                               refusal: Exception | None = None) -> None:
+    """Raise on every rank of `group` unless every rank passed the same entries and none brought a refusal.
+
+    One all-gather of a 16-byte digest and two counts; only when they differ, or a rank refuses, the
+    entries themselves travel (as bytes), to name the first one that differs. Without this, ranks holding
+    other shapes pair unrelated elements in the gradient reduction (silently, when the sizes happen to
+    match) or abort inside gloo / NCCL.
+    refusal: this rank's own error from a check it made alone (a frozen parameter, mixed dtypes): raised
+    here after the exchange, while the other ranks raise a ValueError naming this rank and its message,
+    instead of waiting in the collective for a rank that never reaches it.
     """
     size = dist.get_world_size(group)
     if size == 1:
+        if refusal is not None:
+            raise refusal
         return
     digest = hashlib.sha256("\n".join(entries).encode()).digest()
-    mine = torch.tensor([int.from_bytes(digest[:8], "little", signed=True), len(entries)], dtype=torch.int64, device=device)
-    everyone = torch.empty(2 * size, dtype=torch.int64, device=device)
+    # only read when something differs; json, not pickle: what travels is text (all_gather_object unpickles)
+    details = json.dumps([None if refusal is None else f"{type(refusal).__name__}: {refusal}", entries]).encode()
+    mine = torch.tensor([int.from_bytes(digest[:8], "little", signed=True), len(entries), int(refusal is not None),
+                         len(details)], dtype=torch.int64, device=device)
+    everyone = torch.empty(4 * size, dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(everyone, mine, group=group)
-    if bool((everyone.view(size, 2) == everyone[:2]).all()):  # every rank compares the same rows: one verdict
+    rows = everyone.view(size, 4).cpu()
+    if not bool(rows[:, 2].any()) and bool((rows[:, :2] == rows[0, :2]).all()):  # every rank reads the same rows
         return
-    lists: list[list[str] | None] = [None] * size
-    dist.all_gather_object(lists, entries, group=group)
+    width = int(rows[:, 3].max())
+    padded = torch.zeros(width, dtype=torch.uint8)
+    padded[: len(details)] = torch.tensor(list(details), dtype=torch.uint8)
+    gathered = torch.empty(size * width, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(gathered, padded.to(device), group=group)
+    gathered = gathered.view(size, width).cpu()
+    told = [json.loads(bytes(gathered[r, : int(rows[r, 3])].tolist())) for r in range(size)]
+    if refusal is not None:
+        raise refusal
     ranks = dist.get_process_group_ranks(group)
+    refused = next((r for r in range(size) if told[r][0] is not None), None)
+    if refused is not None:
+        raise ValueError(f"{what}: rank {ranks[refused]} refused them ({told[refused][0]}); every rank of the "
+                         "group stops here")
+    lists = [entries_of for _, entries_of in told]
     for r in range(1, size):
         a, b = lists[0], lists[r]
         if a != b:

@@ -31,7 +31,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_parallel.buffers import Bucket, FlatParams, refuse_shared_parameters, require_same_on_every_rank
+from moe_parallel.buffers import (
+    Bucket,
+    FlatParams,
+    collective_device,
+    refuse_shared_parameters,
+    require_same_on_every_rank,
+)
 
 
 @dataclass
@@ -82,22 +88,21 @@ class DistributedAdamW:
     slot, expert parameters as its own slice)."""
 
     def __init__(self, flats: list[FlatParams], cfg: AdamWConfig, world: dist.ProcessGroup | None = None):
-        refuse_shared_parameters(flats, "DistributedAdamW")
         if world is None and dist.is_initialized() and dist.get_world_size() > 1:
             raise ValueError(
                 f"DistributedAdamW needs world= (e.g. groups.world) in a job of {dist.get_world_size()} ranks: "
                 "the global gradient norm, the clipping and the skip of a non-finite step must span every rank"
             )
-        if world is not None:
-            # a norm over fewer ranks than the gradients span would differ between ranks: other clip factors, or a
-            # skip on some ranks only (which then leave the others waiting in the weight all-gather)
-            world_ranks = dist.get_process_group_ranks(world)
-            for i, flat in enumerate(flats):
-                group = flat.group if flat.group is not None else dist.group.WORLD  # None: the default group
-                outside = sorted(set(dist.get_process_group_ranks(group)) - set(world_ranks))
-                if outside:
-                    raise ValueError(f"DistributedAdamW: flats[{i}] is reduced over ranks {outside} outside world= "
-                                     f"(ranks {world_ranks}); expected world= to span every rank (groups.world)")
+        if world is None:
+            refuse_shared_parameters(flats, "DistributedAdamW")
+        else:
+            try:
+                refuse_shared_parameters(flats, "DistributedAdamW")
+                _refuse_groups_outside(flats, world)
+            except ValueError as refusal:  # the other ranks, meeting this one in the check below, raise too
+                require_same_on_every_rank(world, [], "DistributedAdamW: the parameters", collective_device(world),
+                                           refusal)
+                raise
             # the per-parameter flags ride one all-reduce over the world: same slots everywhere; and the same
             # hyper-parameters (another clip or decay on one rank would make its replicas drift apart silently)
             require_same_on_every_rank(
@@ -265,6 +270,18 @@ class DistributedAdamW:
         for flat, states in zip(self.flats, self.states):
             for bucket, st in zip(flat.buckets, states):
                 st.master.copy_(flat.param_buffer[bucket.shard_start : bucket.shard_start + bucket.shard_numel])
+
+
+def _refuse_groups_outside(flats: list[FlatParams], world: dist.ProcessGroup) -> None:
+    """A norm over fewer ranks than the gradients span would differ between ranks: other clip factors, or a skip
+    on some ranks only (which then leave the others waiting in the weight all-gather)."""
+    world_ranks = dist.get_process_group_ranks(world)
+    for i, flat in enumerate(flats):
+        group = flat.group if flat.group is not None else dist.group.WORLD  # None: the default group
+        outside = sorted(set(dist.get_process_group_ranks(group)) - set(world_ranks))
+        if outside:
+            raise ValueError(f"DistributedAdamW: flats[{i}] is reduced over ranks {outside} outside world= "
+                             f"(ranks {world_ranks}); expected world= to span every rank (groups.world)")
 
 
 def _master_dtype(flat: FlatParams) -> torch.dtype:
