@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
+import traceback
 import warnings
 
 from moe_ckpt import CheckpointError
@@ -230,7 +232,12 @@ def _cmd_prepare(args) -> None:
     vocab_size = PREPARE_VOCAB_SIZE if args.vocab_size is None else args.vocab_size
     out = prepare_data(docs, args.out, vocab_size=vocab_size, tokenizer_path=args.tokenizer, source=source,
                        eos_token=args.eos_token)
-    print(f"wrote {out}")
+    meta = json.loads((out / "meta.json").read_text())
+    train, held_out = meta["splits"]["train"], meta["splits"]["eval"]
+    print(f"wrote {out}: {train['num_tokens']:,} train tokens ({train['num_docs']:,} documents), "
+          f"{held_out['num_tokens']:,} eval tokens ({held_out['num_docs']:,}), vocab_size={meta['vocab_size']}")
+    # the model's vocabulary must hold every id the tokenizer emits, and the presets' is not the folder's
+    print(f"train on it: moe-train train --data.path={shlex.quote(str(out))} --model.vocab_size={meta['vocab_size']}")
 
 
 def _holds_checkpoint(folder) -> bool:
@@ -258,6 +265,31 @@ def _existing_saved_run(given: str, expected: str):
         raise FileNotFoundError(f"{'run ' if is_run else ''}{given!r} has no checkpoints yet (a run saves every "
                                 "train.save_interval steps and at its last step; never with train.save_interval=0)")
     return path
+
+
+def _exported_checkpoint(given: str) -> str:
+    """Which checkpoint export-hf reads from `given`: a run folder's latest (named, so an export says its step)."""
+    from moe_ckpt import find_latest
+    from moe_train.trainer.checkpoint import checkpoint_root
+
+    root = checkpoint_root(given)
+    latest = find_latest(root) if root.is_dir() else None
+    return str(latest) if latest is not None else given
+
+
+def _resume_hint(cfg) -> str:
+    """After a stopped run: where running it again starts (the steps since the latest checkpoint are lost)."""
+    from moe_ckpt import find_latest, step_of
+    from moe_train.trainer.checkpoint import checkpoint_root
+
+    t = cfg.train
+    root = checkpoint_root(t.run_dir)
+    latest = find_latest(root) if root.is_dir() else None
+    every = f"saved every {t.save_interval} steps" if t.save_interval else "train.save_interval=0 saves none"
+    if latest is None:
+        return f"no checkpoint in {root} ({every}): running the command again starts from step 0"
+    again = "run the same command again" if t.resume else "run it again with --resume (not --no-resume)"
+    return f"latest checkpoint: {latest} ({every}); {again} to resume from step {step_of(latest)}"
 
 
 def _cmd_inspect(args) -> None:
@@ -301,9 +333,15 @@ def _cmd_hf(args) -> None:
     if args.command == "export-hf":
         _existing_saved_run(args.checkpoint, "expected a run folder, a checkpoint folder or a folder with "
                             "model.safetensors and config.json")
+        source = _exported_checkpoint(args.checkpoint)
         summary = export_hf(args.checkpoint, args.out, dtype=args.dtype, push_to_hub=args.push_to_hub,
                             allow_benchmark_routing=args.allow_benchmark_routing, tokenizer_json=args.tokenizer)
-        print(f"wrote {args.out}: {summary}")
+        shards = f"{summary.shards} shard{'s' if summary.shards != 1 else ''}"
+        print(f"wrote {args.out}: {summary.architecture} from {source}, {summary.num_tensors} tensors, "
+              f"{summary.total_bytes / 2**20:.1f} MiB of {args.dtype} in {shards}"
+              f"{f', pushed to {args.push_to_hub}' if args.push_to_hub else ''}")
+        print(f"load it: transformers.AutoModelForCausalLM.from_pretrained({args.out!r}), "
+              f"AutoTokenizer.from_pretrained({args.out!r})")
     else:
         cfg, _ = import_hf(args.folder, args.out)
         print(f"wrote {args.out} (preset-free config, {cfg.model.num_layers} layers, {cfg.model.num_experts} experts)")
@@ -351,6 +389,7 @@ def _refuse_unread_by_bench(overrides: dict[str, str]) -> None:
 
 
 def _run(args, rest) -> int:
+    cfg = None
     try:
         if args.command == "inspect":
             _refuse_unknown(args.command, rest)
@@ -385,7 +424,11 @@ def _run(args, rest) -> int:
 
         signum = getattr(e, "signum", signal.SIGINT)  # a Ctrl-C outside the training loop is a plain one
         where = getattr(e, "stopped_at", None)  # set by the trainer once the run has started
+        # the progress bar is closed when the frames holding it go: before our line, not over it at exit
+        traceback.clear_frames(e.__traceback__)
         print(f"moe-train: stopped by {stop_description(e)}{f', {where}' if where else ''}", file=sys.stderr)
+        if where and args.command == "train" and getattr(e, "on_main_rank", True):  # one hint under torchrun
+            print(_resume_hint(cfg), flush=True)
         return 128 + signum  # the shell's code for a process the signal ended
     except ValueError as e:
         from moe_ckpt.hf import HFConversionError

@@ -351,6 +351,7 @@ class Trainer:
         interrupted = isinstance(e, KeyboardInterrupt)
         if interrupted:
             e.stopped_at = self._progress()
+            e.on_main_rank = self.is_main  # the CLI's resume hint: rank 0's alone
         error = f"{type(e).__name__}: {stop_description(e) + ', ' + e.stopped_at if interrupted else e}"
         try:
             self.log.write({"event": "end", "status": "interrupted" if interrupted else "failed",
