@@ -34,7 +34,7 @@ def format_checkpoint(path: str | Path) -> str:
     info = inspect_checkpoint(path)
     meta = info["metadata"]
     lines = [f"checkpoint {info['path']}: {len(info['tensors'])} tensors, "
-             f"{info['total_bytes'] / 1e9:.3f} GB, written by {info['world_size']} ranks, "
+             f"{info['total_bytes'] / 1e9:.3f} GB, written by {info['world_size']} rank{'s' if info['world_size'] != 1 else ''}, "
              f"format version {info['format_version']}",
              f"layout: {meta.get('layout', '(not recorded)')}",
              f"step: {meta.get('step', '(not recorded)')}"]

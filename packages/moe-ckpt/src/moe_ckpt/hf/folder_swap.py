@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import uuid
 import warnings
 from collections.abc import Callable
@@ -50,10 +51,24 @@ def write_folder_whole(out_dir: str | Path, write: Callable[[Path], T], *,
     tmp.mkdir()
     try:
         result = write(tmp)
+        _give_files_the_mode_of_a_new_file(tmp)
         _replace(final, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return result
+
+
+def _give_files_the_mode_of_a_new_file(folder: Path) -> None:
+    """Every file written into `folder` gets the mode a file made with open() gets there (0o644 under umask 022):
+    safetensors >= 0.8.1 writes through a temporary file created 0o600, so model.safetensors alone was readable
+    by its owner only (another user, or a container running as one, could not load the export)."""
+    probe = folder / ".mode-probe"
+    probe.touch()
+    mode = stat.S_IMODE(probe.stat().st_mode)
+    probe.unlink()
+    for p in folder.iterdir():
+        if p.is_file() and not p.is_symlink() and stat.S_IMODE(p.stat().st_mode) != mode:
+            os.chmod(p, mode)
 
 
 def _beside(final: Path, kind: str) -> Path:
