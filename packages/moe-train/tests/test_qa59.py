@@ -186,3 +186,25 @@ def test_training_a_renormalised_top_1_router_is_refused_naming_both_fields(tmp_
 
     cfg.model.router = RouterConfig(top_k=1, routing="random")
     refuse_a_router_the_loss_cannot_train(cfg.model)  # benchmark routing: the router is not learned
+
+
+def test_a_top_1_renormalised_run_resumes_with_renormalisation_turned_off(tmp_path, data, monkeypatch):
+    """The refusal above names normalize_top_k=false as the fix; a run saved before it (by an older moe-train) must
+    then resume with that one field changed, where the same-model check refused it as another network."""
+    cfg = config(tmp_path, data, steps=2, save_interval=2)
+    cfg.model.router = RouterConfig(top_k=1)
+    with monkeypatch.context() as m:  # a checkpoint from before the refusal
+        m.setattr(loop, "refuse_a_router_the_loss_cannot_train", lambda model: None)
+        Trainer(cfg).train()
+    cfg.train.steps = 4
+    with pytest.raises(ConfigError, match="normalize_top_k=true with model.router.top_k=1"):
+        Trainer(cfg)
+    cfg.model.router = RouterConfig(top_k=1, normalize_top_k=False)
+    summary = Trainer(cfg).train()
+    assert summary["step"] == 4
+    cfg.model.router = RouterConfig(top_k=1, normalize_top_k=True, gating="sigmoid")  # another change still refused
+    cfg.train.steps = 6
+    with pytest.raises(ConfigError, match="another configuration"):
+        with monkeypatch.context() as m:
+            m.setattr(loop, "refuse_a_router_the_loss_cannot_train", lambda model: None)
+            Trainer(cfg).train()

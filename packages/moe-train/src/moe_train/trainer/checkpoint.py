@@ -123,6 +123,15 @@ def _as_given(flat: dict[str, Any], network: dict[str, Any], key: str) -> str:
     return f"{value!r}" if network.get(key) == value else f"{value!r} (= {network.get(key)!r})"
 
 
+def _top_1_renormalisation_dropped(saved: dict[str, Any], want: dict[str, Any]) -> set[str]:
+    """{"model.router.normalize_top_k"} when a top-1 run saved with it true resumes with it false: training such a
+    router is refused (its one weight renormalises to 1, so the loss never reaches the router), and turning it off
+    is the fix the refusal names; the same tensors then weight each expert by its probability."""
+    key = "model.router.normalize_top_k"
+    top_1 = saved.get("model.router.top_k") == 1 == want.get("model.router.top_k")
+    return {key} if top_1 and saved.get(key) is True and want.get(key) is False else set()
+
+
 def check_same_model(path: Path, cfg: Config) -> None:
     """Refuse to resume a checkpoint written for another model or sequence length: tensors of
     the same shapes would load silently into a different network (fewer layers, tied
@@ -133,8 +142,9 @@ def check_same_model(path: Path, cfg: Config) -> None:
     defaults = _flat(dataclasses.asdict(ModelConfig()), "model.") if saved_model else {}
     saved_net = _network({**{k: v for k, v in defaults.items() if k in want_model}, **saved_model})
     want_net = _network(want_model)
+    may_change = TRAINING_ONLY_MODEL_FIELDS | _top_1_renormalisation_dropped(saved_net, want_net)
     diffs = [f"{k}: checkpoint {_as_given(saved_model, saved_net, k)}, this run {_as_given(want_model, want_net, k)}"
-             for k, v in sorted(saved_net.items()) if k not in TRAINING_ONLY_MODEL_FIELDS and want_net.get(k) != v]
+             for k, v in sorted(saved_net.items()) if k not in may_change and want_net.get(k) != v]
     saved_seq = saved.get("data", {}).get("seq_len")
     if saved_seq is not None and saved_seq != cfg.data.seq_len:
         diffs.append(f"data.seq_len: checkpoint {saved_seq}, this run {cfg.data.seq_len}")
