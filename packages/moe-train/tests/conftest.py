@@ -1,6 +1,10 @@
+import os
+import signal
+
 import pytest
 
 from moe_train.config import Config, DataConfig, ModelConfig, RouterConfig, TrainConfig
+from moe_train.trainer.runtime import LocalRuntime
 
 
 def small_config(tmp_path, **train) -> Config:
@@ -29,3 +33,20 @@ def data_dir(tmp_path):
 def make_config():
     """Factory: make_config(tmp_path, **train_overrides) -> a small Config."""
     return small_config
+
+
+class SignalAtStep2(LocalRuntime):
+    """Sends `signum` to this process during the second optimizer step: one step is done when it lands."""
+
+    signum = signal.SIGINT
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.steps = 0
+
+    def step(self, lr):
+        result = super().step(lr)
+        self.steps += 1
+        if self.steps == 2:
+            os.kill(os.getpid(), self.signum)
+        return result

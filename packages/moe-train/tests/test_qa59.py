@@ -4,7 +4,6 @@ data settings a prepared folder never reads, and a top-1 router the loss cannot 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import warnings
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import small_config  # noqa: E402
+from conftest import SignalAtStep2, small_config  # noqa: E402
 
 from moe_train.cli import main  # noqa: E402
 from moe_train.config import ConfigError, RouterConfig  # noqa: E402
@@ -22,7 +21,6 @@ from moe_train.config_io import build_config  # noqa: E402
 from moe_train.model.router import Router  # noqa: E402
 from moe_train.trainer import loop  # noqa: E402
 from moe_train.trainer.loop import Trainer  # noqa: E402
-from moe_train.trainer.runtime import LocalRuntime  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -41,23 +39,6 @@ def config(tmp_path, data, **train):
 
 def records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-class SignalAtStep2(LocalRuntime):
-    """Sends `signum` to this process during the second optimizer step: one step is done when it lands."""
-
-    signum = signal.SIGINT
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.steps = 0
-
-    def step(self, lr):
-        result = super().step(lr)
-        self.steps += 1
-        if self.steps == 2:
-            os.kill(os.getpid(), self.signum)
-        return result
 
 
 # -- 1. what the end event of a stopped run says ----------------------------------------------------------------

@@ -3,7 +3,6 @@ the next command to run, which checkpoint was exported, and where running the st
 
 from __future__ import annotations
 
-import os
 import shlex
 import signal
 import sys
@@ -12,12 +11,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import small_config  # noqa: E402
+from conftest import SignalAtStep2, small_config  # noqa: E402
 
 from moe_train.cli import main  # noqa: E402
 from moe_train.trainer import loop  # noqa: E402
 from moe_train.trainer.loop import Trainer  # noqa: E402
-from moe_train.trainer.runtime import LocalRuntime  # noqa: E402
 
 SMALL = ["--model.num_layers=1", "--model.d_model=32", "--data.seq_len=32", "--train.micro_batch_size=2",
          "--train.eval_interval=0", "--train.device=cpu"]
@@ -29,21 +27,6 @@ def data(tmp_path_factory):
 
     return prepare_data(list(stdlib_documents(100_000)), tmp_path_factory.mktemp("qa63") / "data", vocab_size=512,
                         source="stdlib-test")
-
-
-class SignalAtStep2(LocalRuntime):
-    """Sends SIGINT to this process during the second optimizer step: one step is done when it lands."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.steps = 0
-
-    def step(self, lr):
-        result = super().step(lr)
-        self.steps += 1
-        if self.steps == 2:
-            os.kill(os.getpid(), signal.SIGINT)
-        return result
 
 
 def test_prepare_data_prints_a_train_command_that_runs_on_the_folder(tmp_path, monkeypatch, capsys):
