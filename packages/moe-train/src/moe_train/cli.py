@@ -269,27 +269,24 @@ def _existing_saved_run(given: str, expected: str):
 
 def _exported_checkpoint(given: str) -> str:
     """Which checkpoint export-hf reads from `given`: a run folder's latest (named, so an export says its step)."""
-    from moe_ckpt import find_latest
-    from moe_train.trainer.checkpoint import checkpoint_root
+    from moe_train.trainer.checkpoint import latest
 
-    root = checkpoint_root(given)
-    latest = find_latest(root) if root.is_dir() else None
-    return str(latest) if latest is not None else given
+    found = latest(given)
+    return str(found) if found is not None else given
 
 
 def _resume_hint(cfg) -> str:
     """After a stopped run: where running it again starts (the steps since the latest checkpoint are lost)."""
-    from moe_ckpt import find_latest, step_of
-    from moe_train.trainer.checkpoint import checkpoint_root
+    from moe_ckpt import step_of
+    from moe_train.trainer.checkpoint import checkpoint_root, latest
 
     t = cfg.train
-    root = checkpoint_root(t.run_dir)
-    latest = find_latest(root) if root.is_dir() else None
+    root, found = checkpoint_root(t.run_dir), latest(t.run_dir)
     every = f"saved every {t.save_interval} steps" if t.save_interval else "train.save_interval=0 saves none"
-    if latest is None:
+    if found is None:
         return f"no checkpoint in {root} ({every}): running the command again starts from step 0"
     again = "run the same command again" if t.resume else "run it again with --resume (not --no-resume)"
-    return f"latest checkpoint: {latest} ({every}); {again} to resume from step {step_of(latest)}"
+    return f"latest checkpoint: {found} ({every}); {again} to resume from step {step_of(found)}"
 
 
 def _cmd_inspect(args) -> None:

@@ -141,11 +141,11 @@ def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, Toke
         if tokens.size:
             top = int(_chunked_max(tokens))
             if top >= vocab_size:
+                needed = max(top + 1, int(meta.get("vocab_size") or 0))
                 raise DataError(
                     f"{tok_path}: token id {top} >= model.vocab_size={vocab_size}; "
                     f"the data was tokenized with vocab_size={meta.get('vocab_size')}: set model.vocab_size >= "
-                    f"{max(top + 1, int(meta.get('vocab_size') or 0))} (e.g. --model.vocab_size="
-                    f"{max(top + 1, int(meta.get('vocab_size') or 0))}) or prepare the data with a smaller --vocab-size"
+                    f"{needed} (e.g. --model.vocab_size={needed}) or prepare the data with a smaller --vocab-size"
                 )
         splits[name] = TokenSplit(tokens, doc_ends)
     if meta["vocab_size"] > vocab_size:  # the ids in the files fit, but the tokenizer can emit ones that do not
