@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -126,23 +127,33 @@ class FlatParams:
         self.zero_grads()
 
     def _make_hook(self, slot: ParamSlot):  # noqa: ANN202
+        # The hook lives in the parameter's C++ autograd state, which Python's garbage collector cannot see into: a
+        # strong reference to this FlatParams (or to a slot, which holds the parameter) would make a cycle that is
+        # never collected, keeping the buffers and the process group (its gloo threads) alive after the last user
+        # reference is gone. So the hook holds a weak reference and indices.
+        flat_ref = weakref.ref(self)
+        index = slot.index
         param_ptr = self.param_buffer.data_ptr() + slot.start * self.param_buffer.element_size()
         grad_ptr = self.grad_buffer.data_ptr() + slot.start * self.grad_buffer.element_size()
 
         def hook(param: torch.Tensor) -> None:
+            flat = flat_ref()
+            if flat is None:  # the FlatParams is gone: its gradients have no buffer to reach
+                return
+            slot = flat.slots[index]
             if slot.numel and param.data_ptr() != param_ptr:
                 raise RuntimeError(
                     f"{slot.name!r} no longer lives in the FlatParams buffer that the optimizer updates (model.to(), "
                     ".half(), or param.data = ... after FlatParams was built); expected the model cast and moved first, "
                     "then FlatParams"
                 )
-            if not self.grads_bound:  # fp32 accumulation of a lower-precision gradient
-                self.grad_view(slot).add_(param.grad)
+            if not flat.grads_bound:  # fp32 accumulation of a lower-precision gradient
+                flat.grad_view(slot).add_(param.grad)
                 param.grad = None
             elif slot.numel and param.grad.data_ptr() != grad_ptr:
                 # .grad was set to None (model.zero_grad(), torch's default set_to_none) and autograd made a new
                 # one: it holds the whole gradient since then, which the buffer must hold (else it is never reduced)
-                view = self.grad_view(slot)
+                view = flat.grad_view(slot)
                 view.copy_(param.grad)
                 param.grad = view
             slot.has_grad = True

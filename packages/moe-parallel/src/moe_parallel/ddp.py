@@ -17,6 +17,8 @@ reduces).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -63,11 +65,18 @@ class GradientSync:
         self._arm()
 
     def _make_hook(self, flat_index: int, slot: ParamSlot):  # noqa: ANN202
-        bucket = self.flats[flat_index].buckets[slot.bucket]
+        # weakly held, by indices: a strong reference from the parameter's C++ hook to this object (or a slot, which
+        # holds the parameter) is a cycle the garbage collector cannot see, which would keep the flats' buffers and
+        # process groups alive for good (see FlatParams._make_hook)
+        sync_ref = weakref.ref(self)
+        index = slot.index
 
         def hook(param: torch.Tensor) -> None:
-            if not self.final:
+            sync = sync_ref()
+            if sync is None or not sync.final:
                 return
+            flat = sync.flats[flat_index]
+            slot, bucket = flat.slots[index], flat.buckets[flat.slots[index].bucket]
             if slot.arrived:  # a second gradient in the last backward phase (two backward() calls, reentrant checkpoints)
                 if bucket.handle is not None:
                     raise RuntimeError(
@@ -79,7 +88,7 @@ class GradientSync:
             slot.arrived = True
             bucket.pending -= 1
             if bucket.pending == 0:
-                self._launch_ready(flat_index)
+                sync._launch_ready(flat_index)
 
         return hook
 
