@@ -8,6 +8,7 @@ not importable by the dotted name pytest gave it, so its folder goes on sys.path
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import socket
@@ -33,7 +34,7 @@ def spawn(test_file: str, world: int, out_dir: Path, deadline_s: float, *lead_ar
     sys.path.insert(0, str(Path(test_file).parent))
     target = getattr(importlib.import_module(Path(test_file).stem), entry)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=(*lead_args, r, port, str(out_dir))) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(target, *lead_args, r, port, str(out_dir))) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + deadline_s
@@ -48,6 +49,23 @@ def spawn(test_file: str, world: int, out_dir: Path, deadline_s: float, *lead_ar
         f = Path(out_dir) / f"rank{r}.pt"
         runs.append((torch.load(f, weights_only=False) if f.exists() else {}, p.exitcode, hung))
     return runs
+
+
+def release_process_groups() -> None:
+    """End a spawned rank with no process group alive. A group that outlives its rank's work (not destroyed, or
+    held by a reference cycle the garbage collector has not reached) keeps gloo's worker threads running into
+    interpreter exit, where one still releasing a collective's tensors takes the GIL and aborts the rank with
+    SIGABRT ("terminate called without an active exception", pytorch#190489), after its results were saved."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()  # a group freed here has its threads joined while the interpreter is whole
+
+
+def _rank_main(target: Callable, *args) -> None:
+    try:
+        target(*args)
+    finally:
+        release_process_groups()
 
 
 def results_or_fail(runs: list[tuple[dict, int | None, bool]], deadline_s: float) -> list[dict]:

@@ -3,6 +3,7 @@ stop meeting in the same collective would otherwise wait for gloo's timeout, so 
 
 from __future__ import annotations
 
+import gc
 import socket
 import time
 from collections.abc import Callable
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -19,9 +21,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def release_process_groups() -> None:
+    """End a spawned rank with no process group alive. A group that outlives its rank's work (not destroyed, or
+    held by a reference cycle the garbage collector has not reached) keeps gloo's worker threads running into
+    interpreter exit, where one still releasing a collective's tensors takes the GIL and aborts the rank with
+    SIGABRT ("terminate called without an active exception", pytorch#190489), after its results were saved."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()  # a group freed here has its threads joined while the interpreter is whole
+
+
+def _rank_main(rank: int, worker: Callable, *args) -> None:
+    try:
+        worker(rank, *args)
+    finally:
+        release_process_groups()
+
+
 def spawn_with_deadline(worker: Callable, args: tuple, nprocs: int, deadline_s: float) -> None:
-    """mp.spawn(worker, args) on nprocs ranks; pytest.fail, killing them, past deadline_s."""
-    context = mp.spawn(worker, args=args, nprocs=nprocs, join=False)
+    """mp.spawn(worker, args) on nprocs ranks, each ending with release_process_groups(); pytest.fail, killing
+    them, past deadline_s."""
+    context = mp.spawn(_rank_main, args=(worker, *args), nprocs=nprocs, join=False)
     deadline = time.monotonic() + deadline_s
     while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):
         if time.monotonic() >= deadline:

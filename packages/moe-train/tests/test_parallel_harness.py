@@ -6,6 +6,7 @@ as torch.save files. Several checks are batched into one spawn because a 4-rank 
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import traceback
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from moe_train.config import Config
 from moe_train.data import WindowSampler
@@ -112,6 +114,18 @@ def run_guarded(rank: int, fn, out_dir: str, *args) -> None:  # noqa: ANN001
     except BaseException:  # noqa: BLE001 - the parent reports it
         result = {"error": traceback.format_exc()}
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    del result
+    release_process_groups()
+
+
+def release_process_groups() -> None:
+    """End a spawned rank with no process group alive. A group that outlives its rank's work (not destroyed, or
+    held by a reference cycle the garbage collector has not reached) keeps gloo's worker threads running into
+    interpreter exit, where one still releasing a collective's tensors takes the GIL and aborts the rank with
+    SIGABRT ("terminate called without an active exception", pytorch#190489), after its results were saved."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()  # a group freed here has its threads joined while the interpreter is whole
 
 
 def load_results(out_dir: Path, world: int) -> list[dict]:

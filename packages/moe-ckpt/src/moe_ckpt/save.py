@@ -36,7 +36,7 @@ from moe_ckpt.index import build_index, manifest_name, shard_file_name
 from moe_ckpt.run_dir import (
     INDEX, METADATA, TMP_MARK, apply_retention, is_complete, remove_leftovers, tmp_dir_for, write_latest,
 )
-from moe_ckpt.shard_file import Checksum, fsync_dir, write_json_atomic, write_shard_file
+from moe_ckpt.shard_file import Checksum, fsync_dir, write_json_atomic, write_shard_file, write_text_atomic
 from moe_ckpt.spec import ShardSpec, dtype_name
 
 Barrier = Callable[[], object]
@@ -217,7 +217,9 @@ def _is_own_dir(tmp: Path) -> bool:
 def _record_error(tmp: Path, rank: int, e: BaseException) -> None:
     try:
         if _is_own_dir(tmp):
-            (tmp / f"rank-{rank:05d}.error").write_text("".join(traceback.format_exception_only(e)).strip())
+            # whole or absent: the other ranks read it while this one writes it (a half-written record read as
+            # "rank-00000: " with the cause missing, as the error of a save that one rank's metadata failed)
+            write_text_atomic(tmp / f"rank-{rank:05d}.error", "".join(traceback.format_exception_only(e)).strip())
     except OSError:
         pass
 

@@ -130,9 +130,19 @@ def fsync_dir(path: Path) -> None:
 
 def write_json_atomic(path: Path, obj: object) -> None:
     """Write JSON to a temp name beside `path`, fsync, then os.replace onto `path`."""
+    write_text_atomic(path, json.dumps(obj, indent=1))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write text to a temp name beside `path`, fsync, then os.replace onto `path`: a reader sees the whole text
+    under `path` or no file (open + write would show it empty or cut to another process in between)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

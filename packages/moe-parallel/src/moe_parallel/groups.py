@@ -7,13 +7,6 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-# Imported before any process group exists (moe_parallel is imported before init_process_group): the collectives of
-# torch.distributed.nn.functional take `group=group.WORLD` as a default argument, evaluated on first import, and
-# torch imports that module lazily (torch._dynamo does, e.g. at a meta-device model's first init). Imported after
-# init_process_group, those defaults hold the world group past destroy_process_group, and gloo's worker threads with
-# it; a worker still releasing a collective's tensors while the interpreter exits aborts the process.
-import torch.distributed.nn  # noqa: F401
-
 from moe_parallel.layout import ParallelLayout, RankCoords
 
 
