@@ -85,6 +85,9 @@ class Trainer:
             self.step = 0
             self.skipped_steps = 0
             self.consecutive_skips = 0
+            # the eval losses of the whole run, across restarts (saved in each checkpoint's metadata)
+            self.first_eval_loss: float | None = None
+            self.last_eval_loss: float | None = None
             self.autocast = self.device.type == "cuda" and t.autocast_bf16
             self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
             self.peak = peak_tflops(self.device)
@@ -234,6 +237,7 @@ class Trainer:
         p = self.cfg.parallel
         return {
             "step": self.step, "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
+            "first_eval_loss": self.first_eval_loss, "last_eval_loss": self.last_eval_loss,
             "sampler": self.sampler.state_dict(),
             "config": self.cfg.to_dict(), "rng": capture_rng_state(),
             "layout": {"world_size": self.runtime.world_size, "dp": p.dp, "ep": p.ep, "pp": p.pp,
@@ -284,10 +288,14 @@ class Trainer:
             warnings.warn(data_change, stacklevel=2)
         if meta["layout"]["world_size"] == self.runtime.world_size:
             restore_rng_state(meta["rng"])  # another layout draws its own random streams
-        if self.is_main and self.cfg.train.eval_interval > 0:
+        # checkpoints before moe-train 0.15.5 do not record them: None
+        self.first_eval_loss, self.last_eval_loss = meta.get("first_eval_loss"), meta.get("last_eval_loss")
+        if self.cfg.train.eval_interval > 0:
             change = ckpt.eval_set_change(meta.get("config", {}), self.cfg, self.eval_split_windows, self.step)
-            if change:
-                warnings.warn(change, stacklevel=2)
+            if change:  # losses over another eval set: none of them compares with this run's evals
+                self.first_eval_loss = self.last_eval_loss = None
+                if self.is_main:
+                    warnings.warn(change, stacklevel=2)
         if self.is_main and self.step < self.cfg.train.steps:
             change = schedule_change(meta.get("config", {}).get("train", {}), self.cfg.train, self.step)
             if change:
@@ -366,14 +374,12 @@ class Trainer:
 
     def _run(self, resumed: bool) -> dict[str, Any]:
         t, rt = self.cfg.train, self.runtime
-        first_eval = None
         if not resumed and t.eval_interval > 0:
-            first_eval = self.evaluate()
-            self.log.write({"step": 0, "eval_loss": first_eval})
+            self.first_eval_loss = self.last_eval_loss = self.evaluate()
+            self.log.write({"step": 0, "eval_loss": self.first_eval_loss})
         tokens_per_step = t.micro_batch_size * t.grad_accum * rt.dp_size * self.cfg.data.seq_len
         bar = tqdm(total=t.steps, initial=self.step, disable=not (self.is_main and t.progress), unit="step",
                    dynamic_ncols=True, mininterval=1.0)
-        last_eval = first_eval
         # tokens/s: training steps only; the seconds spent on eval and saves (`paused`) leave the window
         window_start, window_tokens, paused = time.perf_counter(), 0, 0.0
         record: dict[str, Any] = {}
@@ -396,15 +402,15 @@ class Trainer:
                 window_start, window_tokens, paused = time.perf_counter(), 0, 0.0
             if t.eval_interval > 0 and (self.step % t.eval_interval == 0 or self.step == t.steps):
                 started = time.perf_counter()
-                last_eval = self.evaluate()
-                self.log.write({"step": self.step, "eval_loss": last_eval})
+                self.last_eval_loss = self.evaluate()
+                self.log.write({"step": self.step, "eval_loss": self.last_eval_loss})
                 if self.is_main and t.progress:
-                    bar.write(f"step {self.step}: eval loss {last_eval:.4f}")
+                    bar.write(f"step {self.step}: eval loss {self.last_eval_loss:.4f}")
                 paused += time.perf_counter() - started
             if t.save_interval > 0 and (self.step % t.save_interval == 0 or self.step == t.steps):
                 started = time.perf_counter()
                 self.save()
                 paused += time.perf_counter() - started
         bar.close()
-        return {"step": self.step, "first_eval_loss": first_eval, "last_eval_loss": last_eval,
+        return {"step": self.step, "first_eval_loss": self.first_eval_loss, "last_eval_loss": self.last_eval_loss,
                 "last_loss": record.get("loss"), "skipped_steps": self.skipped_steps}
