@@ -76,7 +76,8 @@ class GradientSync:
             if sync is None or not sync.final:
                 return
             flat = sync.flats[flat_index]
-            slot, bucket = flat.slots[index], flat.buckets[flat.slots[index].bucket]
+            slot = flat.slots[index]
+            bucket = flat.buckets[slot.bucket]
             if slot.arrived:  # a second gradient in the last backward phase (two backward() calls, reentrant checkpoints)
                 if bucket.handle is not None:
                     raise RuntimeError(
