@@ -28,7 +28,7 @@ def test_bad_input_exits_nonzero_with_one_line(args, message, tmp_path):
 
 def test_token_ids_beyond_vocab_in_data_exit_nonzero(tmp_path, data_dir):
     r = run_cli("train", f"--data.path={data_dir}", "--model.vocab_size=100", f"--train.run_dir={tmp_path}/r", cwd=tmp_path)
-    assert r.returncode == 2 and "token id" in r.stderr and "model.vocab_size=100" in r.stderr
+    assert r.returncode == 2 and "tokenized with vocab_size=512" in r.stderr and "model.vocab_size=100" in r.stderr
 
 
 def test_info_reports_counts_for_the_olmo3_preset(capsys):

@@ -17,7 +17,22 @@ def test_prepare_writes_uint32_tokens_with_document_boundaries(data_dir):
     assert (data_dir / "tokenizer.json").is_file()
 
 
+def test_data_of_a_larger_vocab_is_refused_before_its_tokens_are_read(data_dir, monkeypatch):
+    from moe_train.data import token_file
+
+    def no_scan(tokens, chunk=0):  # noqa: ANN001, ANN202
+        raise AssertionError("the tokens were scanned before the meta.json check")
+    monkeypatch.setattr(token_file, "_chunked_max", no_scan)
+    with pytest.raises(DataError, match=r"tokenized with vocab_size=512, larger than model.vocab_size=100.*"
+                                        r"--model.vocab_size=512"):
+        open_data(data_dir, 100)
+
+
 def test_token_ids_beyond_model_vocab_are_refused(data_dir):
+    """A token file that does not match its meta.json (ids beyond the vocab_size it states) is found by the scan."""
+    meta = json.loads((data_dir / "meta.json").read_text())
+    meta["vocab_size"] = 100
+    (data_dir / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(DataError, match=r"token id \d+ >= model.vocab_size=100"):
         open_data(data_dir, 100)
 

@@ -111,5 +111,5 @@ def test_a_token_id_past_the_model_vocabulary_says_what_to_set(tmp_path):
     meta = {"format": "moe-train-tokens/1", "vocab_size": 3838, "eos_id": 0,
             "splits": {s: {"num_tokens": 4, "num_docs": 1} for s in ("train", "eval")}}
     (folder / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(DataError, match=r"token id 3837 >= model.vocab_size=2048.*--model.vocab_size=3838"):
+    with pytest.raises(DataError, match=r"vocab_size=3838, larger than model.vocab_size=2048.*--model.vocab_size=3838"):
         open_data(folder, 2048)

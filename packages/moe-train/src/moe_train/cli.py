@@ -6,6 +6,7 @@ Config errors and data errors exit with status 2 and one line naming the field a
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shlex
@@ -368,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:  # `moe-train inspect RUN | head`: the reader has what it wanted
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing to flush into it at exit
             return 0
+        finally:
+            # A process group left in a reference cycle (an error's traceback holds the frames that hold it) is
+            # freed here, while the interpreter is whole: a gloo group alive at exit can abort the process from
+            # one of its worker threads (pytorch#190489), after the command has already given its answer.
+            gc.collect()
 
 
 def _refuse_unknown(command: str, rest: list[str]) -> None:

@@ -124,6 +124,11 @@ def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, Toke
     if not meta_path.is_file():
         raise DataError(f"data.path={str(root)!r} has no meta.json: expected a folder written by `moe-train prepare-data`")
     meta = _read_meta(meta_path)
+    if meta["vocab_size"] > vocab_size:  # before any token is read: a scan of a large corpus takes minutes
+        raise DataError(f"{meta_path}: the data was tokenized with vocab_size={meta['vocab_size']}, larger than "
+                        f"model.vocab_size={vocab_size}: the model cannot embed ids its tokenizer.json emits; "
+                        f"set model.vocab_size >= {meta['vocab_size']} (e.g. --model.vocab_size={meta['vocab_size']}) "
+                        f"or prepare the data with --vocab-size {vocab_size}")
     splits: dict[str, TokenSplit] = {}
     for name in ("train", "eval"):
         tok_path, doc_path = root / f"{name}.u32", root / f"{name}.docs.u64"
@@ -148,11 +153,6 @@ def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, Toke
                     f"{needed} (e.g. --model.vocab_size={needed}) or prepare the data with a smaller --vocab-size"
                 )
         splits[name] = TokenSplit(tokens, doc_ends)
-    if meta["vocab_size"] > vocab_size:  # the ids in the files fit, but the tokenizer can emit ones that do not
-        raise DataError(f"{meta_path}: the data was tokenized with vocab_size={meta['vocab_size']}, larger than "
-                        f"model.vocab_size={vocab_size}: the model cannot embed ids its tokenizer.json emits; "
-                        f"set model.vocab_size >= {meta['vocab_size']} or prepare the data with "
-                        f"--vocab-size {vocab_size}")
     return meta, splits
 
 

@@ -129,6 +129,12 @@ class DistributedRuntime:
         self.sync.zero_grads()
         return StepResult(result.grad_norm, result.skipped)
 
+    def discard_gradients(self) -> None:
+        if self.torch_optimizer is not None:
+            self.torch_optimizer.zero_grad(set_to_none=True)
+        else:
+            self.sync.zero_grads()
+
     def _step_fsdp(self, lr: float) -> StepResult:
         params = [q for q in self.model.parameters() if q.grad is not None]
         clip = self.cfg.train.grad_clip

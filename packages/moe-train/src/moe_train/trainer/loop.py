@@ -25,7 +25,7 @@ from moe_train.trainer.metrics import MetricsLog, max_over_ranks, peak_memory_gi
 from moe_train.trainer.mfu import peak_tflops
 from moe_train.trainer.run_history import check_fresh_start_loses_no_history
 from moe_train.trainer.run_lock import RunFolderBusyError, RunFolderLock
-from moe_train.trainer.runtime import Runtime
+from moe_train.trainer.runtime import Runtime, StepResult
 from moe_train.trainer.launch import make_runtime
 from moe_train.trainer.schedule import schedule_change, train_lr_at
 from moe_train.trainer.errors import TrainingError
@@ -180,15 +180,23 @@ class Trainer:
             ce_sum += ce.detach().float()
             aux_sum += aux.detach().float()
         lr = train_lr_at(self.step, t)
-        result = rt.step(lr)
-        self._update_expert_bias(apply=not result.skipped)
+        # The losses are summed over the ranks before the update: a non-finite loss (every rank sees the same sum)
+        # applies no update, even where its gradients came out finite.
         stats = rt.all_reduce_sum(torch.stack([ce_sum, aux_sum]) / (t.grad_accum * rt.dp_size)).tolist()
-        if result.skipped or not math.isfinite(stats[0]):
+        loss_finite = math.isfinite(stats[0]) and math.isfinite(stats[1])
+        if loss_finite:
+            result = rt.step(lr)
+        else:
+            rt.discard_gradients()
+            result = StepResult(grad_norm=float("nan"), skipped=True)
+        self._update_expert_bias(apply=not result.skipped)
+        if result.skipped:
             self.skipped_steps += 1
             self.consecutive_skips += 1
             if self.consecutive_skips >= t.max_skipped_steps:
+                last = f"grad_norm={result.grad_norm}" if loss_finite else f"aux_loss={stats[1]} (no update, no grad norm)"
                 raise TrainingError(
-                    f"loss={stats[0]} / grad_norm={result.grad_norm} non-finite for {self.consecutive_skips} "
+                    f"loss={stats[0]} / {last} non-finite for {self.consecutive_skips} "
                     f"consecutive steps ({self._streak()}); train.max_skipped_steps={t.max_skipped_steps}"
                 )
         else:

@@ -70,6 +70,10 @@ class Runtime(Protocol):
 
     def step(self, lr: float) -> StepResult: ...
 
+    def discard_gradients(self) -> None:
+        """Drop this step's gradients without an update (a non-finite loss); the next backward starts afresh."""
+        ...
+
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor: ...
 
     def barrier(self) -> None: ...
@@ -157,6 +161,10 @@ class LocalRuntime:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(norm_value, skipped)
+
+    def discard_gradients(self) -> None:
+        assert self.optimizer is not None
+        self.optimizer.zero_grad(set_to_none=True)
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         return t
