@@ -117,7 +117,7 @@ def test_resume_with_a_bad_value_names_train_resume(capsys):
     ("info", ["--preset", "--config", "--section.field=value"]),
     ("bench", ["--preset", "--config", "--steps STEPS measured", "--warmup WARMUP unmeasured", "--out",
                "--section.field=value"]),
-    ("export-hf", ["checkpoint", "out the Hugging Face folder", "--dtype", "--push-to-hub",
+    ("export-hf", ["checkpoint", "out the Hugging Face folder", "--dtype", "--max-shard-bytes SIZE", "--push-to-hub",
                    "--allow-benchmark-routing"]),
     ("import-hf", ["folder a Hugging Face model folder", "out the folder to write"]),
     ("inspect", ["checkpoint"]),

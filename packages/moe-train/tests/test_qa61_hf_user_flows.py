@@ -152,15 +152,15 @@ def test_a_bf16_export_is_exactly_our_model_with_bf16_rounded_weights(case, tmp_
         assert torch.equal(state[name], t), name
 
 
-def test_fp16_is_refused_by_name_and_nothing_is_written(run, tmp_path, capsys):
-    """Only bf16 and fp32 are export dtypes (a bf16-trained model's activations may overflow fp16)."""
+def test_an_unknown_dtype_is_refused_by_name_and_nothing_is_written(run, tmp_path, capsys):
+    """bf16, fp16 and fp32 are the export dtypes (fp16 since moe-ckpt 0.12.3: tests/test_hf_fp16_and_shard_size.py)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(HFConversionError, match=r"dtype='fp16': expected one of bf16, fp32"):
-            export_hf(run, tmp_path / "hf16", dtype="fp16")
+        with pytest.raises(HFConversionError, match=r"dtype='fp8': expected one of bf16, fp16, fp32"):
+            export_hf(run, tmp_path / "hf16", dtype="fp8")
     with pytest.raises(SystemExit) as e:
-        main(["export-hf", str(run), str(tmp_path / "hf16"), "--dtype", "fp16"])
-    assert e.value.code == 2 and "invalid choice: 'fp16'" in capsys.readouterr().err
+        main(["export-hf", str(run), str(tmp_path / "hf16"), "--dtype", "fp8"])
+    assert e.value.code == 2 and "invalid choice: 'fp8'" in capsys.readouterr().err
     assert _listing(tmp_path) == ["data", "run"]
 
 

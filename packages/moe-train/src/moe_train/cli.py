@@ -119,6 +119,19 @@ def _repo(text: str) -> str:
     return text
 
 
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def _byte_size(text: str) -> int:
+    """A size in bytes: an integer, optionally with a unit (5GB as transformers' max_shard_size, 2GiB, 500MB)."""
+    number = text.strip().rstrip("BbIiKkMmGg")
+    unit = text.strip()[len(number):].upper()
+    if not number.isdigit() or unit not in SIZE_UNITS or int(number) * SIZE_UNITS[unit] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size >= 1 byte, an integer with an optional unit "
+                                         "(B, KB, MB, GB, KiB, MiB, GiB), e.g. 5GB")
+    return int(number) * SIZE_UNITS[unit]
+
+
 def _parser() -> _Parser:
     p = _Parser(prog="moe-train", description="Train sparse MoE language models.")
     p.add_argument("--version", action=_VersionAction,
@@ -139,7 +152,10 @@ def _parser() -> _Parser:
     s = sub.add_parser("export-hf", help="export a checkpoint to a Hugging Face folder that stock transformers loads")
     s.add_argument("checkpoint", type=_path, help="a run folder (its latest checkpoint) or a checkpoint folder")
     s.add_argument("out", type=_path, help="the Hugging Face folder to write (new, or an earlier export)")
-    s.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="of the exported weights (default bf16)")
+    s.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
+                   help="of the exported weights (default bf16)")
+    s.add_argument("--max-shard-bytes", type=_byte_size, default=None, metavar="SIZE",
+                   help="largest safetensors shard, e.g. 5GB or 2GiB (default 4GiB)")
     s.add_argument("--push-to-hub", type=_repo, default=None, metavar="REPO",
                    help="also upload the folder to this Hub repo")
     s.add_argument("--allow-benchmark-routing", action="store_true",
@@ -333,7 +349,8 @@ def _cmd_hf(args) -> None:
                             "model.safetensors and config.json")
         source = _exported_checkpoint(args.checkpoint)
         summary = export_hf(args.checkpoint, args.out, dtype=args.dtype, push_to_hub=args.push_to_hub,
-                            allow_benchmark_routing=args.allow_benchmark_routing, tokenizer_json=args.tokenizer)
+                            allow_benchmark_routing=args.allow_benchmark_routing, tokenizer_json=args.tokenizer,
+                            max_shard_bytes=args.max_shard_bytes)
         shards = f"{summary.shards} shard{'s' if summary.shards != 1 else ''}"
         print(f"wrote {args.out}: {summary.architecture} from {source}, {summary.num_tensors} tensors, "
               f"{summary.total_bytes / 2**20:.1f} MiB of {args.dtype} in {shards}"

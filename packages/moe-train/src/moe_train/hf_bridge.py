@@ -171,7 +171,7 @@ def export_hf(
 ) -> ExportSummary:
     """Export a Transformer, a checkpoint dir or a run dir to a Hugging Face folder; optionally upload it.
 
-    dtype: bf16 | fp32. tokenizer_json / extra_config default to the data folder's tokenizer and eos id,
+    dtype: bf16 | fp16 | fp32. tokenizer_json / extra_config default to the data folder's tokenizer and eos id,
     max_position_embeddings to the checkpoint's data.seq_len, and to the checkpoint's hf_extra.json (written
     by import_hf), which takes precedence.
     """

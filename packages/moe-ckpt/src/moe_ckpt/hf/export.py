@@ -25,7 +25,7 @@ from moe_ckpt.hf.load import read_json_object
 from moe_ckpt.hf.spec import ARCH, DTYPES, HFConversionError, choose_model_type, to_hf_config
 
 TensorSource = Union[Mapping[str, torch.Tensor], Callable[[str], torch.Tensor]]
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_SHARD_BYTES = 4 * 2**30
 GROUPED_MM_ROW_BYTES = 16  # torch's grouped_mm (transformers' default MoE experts kernel) needs row strides of this
 

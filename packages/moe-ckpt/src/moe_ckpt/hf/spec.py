@@ -30,7 +30,7 @@ from typing import Any
 # HF config keys we carry through unchanged (not part of the function the model computes).
 EXTRA_KEYS = ("max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
 DEFAULT_EXTRA: dict[str, Any] = {"max_position_embeddings": 4096}
-DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # GLM-4-MoE always has a selection bias (e_score_correction_bias); a sigmoid router trained without one is
 # exported with a zero bias and this key set to false, so import gives back router.expert_bias=False (the bias
 # stays zero and is not trained) rather than a live zero bias. transformers keeps the key as an attribute.
