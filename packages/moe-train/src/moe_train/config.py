@@ -225,6 +225,13 @@ def _check_types(obj: Any, prefix: str = "") -> None:
             _check_type(f"{prefix}{f.name}", value, hints[f.name])
 
 
+def validate_model(m: ModelConfig) -> ModelConfig:
+    """The model section checked as a run's is, for a module built from a ModelConfig directly (not through
+    build_config or the Trainer): a bad field otherwise ran silently or failed deep inside a forward."""
+    validate(Config(model=m))
+    return m
+
+
 def validate(cfg: Config) -> Config:
     """Raise ConfigError on the first invalid field; return cfg unchanged when valid."""
     _check_types(cfg)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_precision import PrecisionRecipe
-from moe_train.config import ModelConfig
+from moe_train.config import ModelConfig, validate_model
 from moe_train.model.layers import RMSNorm
 from moe_train.model.rope import apply_rope
 
@@ -16,6 +16,7 @@ from moe_train.model.rope import apply_rope
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe):
         super().__init__()
+        validate_model(cfg)  # also when built alone, outside a Transformer
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.resolved_head_dim

@@ -45,6 +45,8 @@ class RouterOutput:
 class Router(nn.Module):
     def __init__(self, d_model: int, num_experts: int, cfg: RouterConfig):
         super().__init__()
+        if not 1 <= cfg.top_k <= num_experts:  # topk would fail at the first forward, without the names
+            raise ConfigError(f"model.router.top_k={cfg.top_k}: expected 1 <= top_k <= num_experts={num_experts}")
         self.cfg = cfg
         self.num_experts = num_experts
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))

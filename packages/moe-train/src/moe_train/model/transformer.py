@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_precision import PrecisionRecipe
-from moe_train.config import ACTIVATION_CHECKPOINTING, Config, ModelConfig, validate
+from moe_train.config import ACTIVATION_CHECKPOINTING, ModelConfig, validate_model
 from moe_train.model.attention import Attention
 from moe_train.model.layers import RMSNorm, SwiGLU, fp32_or_wider
 from moe_train.model.rope import rope_tables
@@ -63,10 +63,9 @@ class Transformer(nn.Module):
         """device="meta": shapes only, no memory and no initialisation; a runtime slices it for
         its rank, materialises it on its device and calls reset_parameters(seed, ...)."""
         super().__init__()
-        # A model built from a ModelConfig directly (not through build_config / the Trainer) is checked as a run's
-        # is, before anything is allocated: a bad field otherwise ran silently (an odd rotary dim, more kv heads
+        # Checked before anything is allocated: a bad field otherwise ran silently (an odd rotary dim, more kv heads
         # than heads) or failed deep inside a forward with a shape error.
-        validate(Config(model=cfg))
+        validate_model(cfg)
         self.cfg = cfg
         recipe = PrecisionRecipe(cfg.precision)
         with torch.device(device) if device is not None else nullcontext():
@@ -129,7 +128,11 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x)), aux
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean next-token cross-entropy (fp32; float64 for a float64 model) and the router aux loss."""
+        """Mean next-token cross-entropy (fp32; float64 for a float64 model) and the router aux loss.
+
+        A target of -100 (F.cross_entropy's ignore_index, as in transformers' labels) is left out of the mean:
+        padding or a prompt not to be trained on (all of a batch's: NaN, as torch gives, and the trainer skips the
+        step). Any other target outside [0, vocab_size) is an error."""
         logits, aux = self(tokens)
         ce = F.cross_entropy(logits.to(fp32_or_wider(logits.dtype)).reshape(-1, logits.shape[-1]), targets.reshape(-1))
         return ce, aux
