@@ -208,6 +208,8 @@ def test_inspect_and_export_of_what_is_no_run_name_it(command, what, message, tm
     (["--run-dir", "elsewhere"], "bench --train.run_dir=elsewhere: bench does not read train.run_dir"),
     (["--resume"], "bench --train.resume=true: bench does not read train.resume"),
     (["--save-interval", "3"], "bench --train.save_interval=3: bench does not read train.save_interval"),
+    (["--train.init_from=runs/a"], "bench --train.init_from=runs/a: bench does not read train.init_from (it times a "
+                                   "randomly initialised model)"),
 ])
 def test_bench_refuses_a_training_runs_own_fields_it_would_ignore(overrides, message, nothing_runs, capsys):
     assert exit_status(["bench", *overrides]) == 2

@@ -128,7 +128,8 @@ def test_tied_embeddings_are_saved_once_and_resume(tmp_path, data_dir, make_conf
 
 
 def test_training_in_an_import_hf_folder_is_refused(tmp_path, data_dir, make_config):
-    """Training does not start from imported weights: a run there would silently begin from a random init."""
+    """An import-hf output is no run folder: a run there would begin from a random init beside the imported weights.
+    The refusal names train.init_from, which starts a run from them (tests/test_init_from.py)."""
     from moe_train.config import ConfigError
 
     cfg = make_config(tmp_path, steps=1, eval_interval=0, save_interval=0)
@@ -137,7 +138,7 @@ def test_training_in_an_import_hf_folder_is_refused(tmp_path, data_dir, make_con
     run.mkdir(parents=True)
     (run / "model.safetensors").write_bytes(b"")
     (run / "hf_extra.json").write_text("{}")
-    with pytest.raises(ConfigError, match="holds an import-hf output"):
+    with pytest.raises(ConfigError, match="holds an import-hf output .*use train.init_from="):
         Trainer(cfg).train()
 
 

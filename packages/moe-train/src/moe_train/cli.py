@@ -103,7 +103,7 @@ Refused here, as bench would ignore them (it writes no run folder;
 --steps sets its steps): --train.steps, --train.run_dir, --train.resume,
 --train.save_interval and their shorthands."""
 # set by train's shorthands, or (steps) replaced by bench's own --steps; bench reads none of them
-BENCH_UNREAD = ("train.steps", "train.run_dir", "train.resume", "train.save_interval")
+BENCH_UNREAD = ("train.steps", "train.run_dir", "train.resume", "train.save_interval", "train.init_from")
 
 
 def _path(text: str) -> str:
@@ -163,7 +163,7 @@ def _parser() -> _Parser:
     s.add_argument("--tokenizer", type=_path, default=None, metavar="TOKENIZER_JSON",
                    help="the tokenizer.json to ship (default: the run's data folder's, or an import's own)")
     s = sub.add_parser("import-hf", help="convert a Hugging Face folder to our config.json and our-named model.safetensors "
-                           "(export-hf and moe_ckpt.hf read it; training does not start from it yet)")
+                           "(export-hf reads it; train --train.init_from=OUT starts a run from its weights)")
     s.add_argument("folder", type=_path, help="a Hugging Face model folder (config.json and safetensors)")
     s.add_argument("out", type=_path, help="the folder to write config.json, model.safetensors and hf_extra.json into")
     s = sub.add_parser("inspect", help="list a checkpoint's tensors, shapes and the layout that wrote it")
@@ -404,7 +404,8 @@ def _refuse_unread_by_bench(overrides: dict[str, str]) -> None:
     file shared with train may hold them)."""
     for key in BENCH_UNREAD:
         if key in overrides:
-            why = "its measured steps are --steps N" if key == "train.steps" else "it writes no run folder"
+            why = {"train.steps": "its measured steps are --steps N",
+                   "train.init_from": "it times a randomly initialised model"}.get(key, "it writes no run folder")
             raise ConfigError(f"bench --{key}={overrides[key]}: bench does not read {key} ({why}); drop it")
 
 

@@ -113,6 +113,9 @@ class TrainConfig:
     async_save: bool = False  # snapshot to host memory, write in a background thread
     run_dir: str = "runs/default"
     resume: bool = True  # continue from run_dir's latest checkpoint when one exists
+    # a run starting at step 0 takes its weights from this checkpoint (a run folder, a checkpoint folder or an
+    # import-hf output) instead of a random init; optimizer state, step and data order start fresh
+    init_from: str | None = None
     device: str = "auto"  # auto | cpu | cuda
     autocast_bf16: bool = True  # bf16 autocast on GPU (never on CPU)
     # none | full (each block recomputed in backward) | mlp (each block's mlp_norm + MoE/SwiGLU recomputed)
@@ -286,6 +289,7 @@ def validate(cfg: Config) -> Config:
     _choice("model.precision", m.precision, ("bf16",))
     for name, path in (("data.path", d.path), ("data.cache_dir", d.cache_dir), ("train.run_dir", t.run_dir)):
         _check(path != "", name, path, "a non-empty path")
+    _check(t.init_from != "", "train.init_from", t.init_from, "a checkpoint's path, or null for a random init")
     _check(d.seq_len >= 2, "data.seq_len", d.seq_len, ">= 2")
     _check(d.seed >= 0, "data.seed", d.seed, "an integer >= 0")
     for name in ("default_vocab_size", "default_max_bytes"):

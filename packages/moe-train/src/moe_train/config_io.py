@@ -13,7 +13,9 @@ from typing import Any
 
 import yaml
 
-from moe_train.config import NONE_IS_A_VALUE, REMOVED_FIELDS, Config, ConfigError, optional_inner, validate
+from moe_train.config import (
+    NONE_IS_A_VALUE, REMOVED_FIELDS, Config, ConfigError, DataConfig, optional_inner, validate,
+)
 from moe_train.presets import get_preset
 
 
@@ -328,12 +330,13 @@ CORPUS_ONLY_FIELDS = ("default_vocab_size", "default_max_bytes", "cache_dir", "e
 def _warn_of_corpus_fields_a_data_folder_ignores(cfg: Config, preset: Config) -> None:
     """A field of CORPUS_ONLY_FIELDS changed from the preset's value (in the file or on the command line) while
     data.path names a prepared folder is warned about: it is ignored. Not refused: a config file written from a whole
-    config (`moe-train info`) holds every field, and one file may serve runs on either kind of data."""
+    config (`moe-train info`) holds every field, and one file may serve runs on either kind of data. A value equal
+    to DataConfig's own default is not warned about either: import-hf's config.json holds those (no preset's)."""
     if cfg.data.path == "default":
         return
     for name in CORPUS_ONLY_FIELDS:
         value = getattr(cfg.data, name)
-        if value != getattr(preset.data, name):
+        if value not in (getattr(preset.data, name), getattr(DataConfig(), name)):
             warnings.warn(f"data.{name}={value!r} is ignored: only the embedded corpus (data.path=default) reads it, "
                           f"and data.path={cfg.data.path!r} is a folder prepared by `moe-train prepare-data` (its "
                           "tokenizer, vocabulary and eval split were fixed there); drop it, or prepare the folder "

@@ -95,14 +95,18 @@ def _safetensors_reader(path: Path) -> tuple[dict[str, Any], TensorSource] | Non
     return cfg, _OpenFilesSource(handle.get_tensor, handle)
 
 
+def _moe_ckpt_config(path: Path) -> dict[str, Any]:
+    cfg = load_metadata(path).get("config")
+    if not isinstance(cfg, dict) or "model" not in cfg:
+        raise HFConversionError(f"checkpoint {str(path)!r}: its metadata has no 'config' with a 'model' section")
+    return cfg
+
+
 def _moe_ckpt_reader(path: Path) -> tuple[dict[str, Any], TensorSource] | None:
     """The trainer's checkpoints (moe-ckpt, any layout): weights from the fp32 masters, buffers by name."""
     if not (path / "index.json").is_file():
         return None
-    meta = load_metadata(path)
-    cfg = meta.get("config")
-    if not isinstance(cfg, dict) or "model" not in cfg:
-        raise HFConversionError(f"checkpoint {str(path)!r}: its metadata has no 'config' with a 'model' section")
+    cfg = _moe_ckpt_config(path)
     data = cfg.get("data", {})
     if data.get("path") == "default":  # trained on the embedded corpus: export the tokenizer it made
         corpus = _stored_config(path, cfg).data
@@ -144,6 +148,16 @@ def open_checkpoint_source(ckpt: str | Path) -> Iterator[tuple[Config, TensorSou
             return
     raise HFConversionError(f"checkpoint {str(path)!r}: no reader recognises it (expected model.safetensors + "
                             "config.json, a run dir with checkpoints/latest, or a registered reader's layout)")
+
+
+def stored_config(path: str | Path) -> Config:
+    """The stored model and tokenizer fields of a checkpoint (as open_checkpoint_source's Config), without reading
+    or checksumming its tensor files where the layout allows: a trainer checkpoint's metadata alone."""
+    path = Path(path)
+    if (path / "index.json").is_file():
+        return _stored_config(path, _moe_ckpt_config(path))
+    with open_checkpoint_source(path) as (cfg, _):
+        return cfg
 
 
 def _data_tokenizer(cfg: Config) -> tuple[Path | None, dict[str, Any]]:

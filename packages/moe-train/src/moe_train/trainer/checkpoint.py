@@ -132,19 +132,25 @@ def _top_1_renormalisation_dropped(saved: dict[str, Any], want: dict[str, Any]) 
     return {key} if top_1 and saved.get(key) is True and want.get(key) is False else set()
 
 
+def model_differences(saved: dict[str, Any], cfg: Config) -> list[str]:
+    """The network fields where a checkpoint's model section (`saved`) and cfg's differ, one "field: checkpoint
+    X, this run Y" each; training-only fields may differ."""
+    saved_model, want_model = _flat(saved, "model."), _flat(cfg.to_dict()["model"], "model.")
+    defaults = _flat(dataclasses.asdict(ModelConfig()), "model.") if saved_model else {}
+    saved_net = _network({**{k: v for k, v in defaults.items() if k in want_model}, **saved_model})
+    want_net = _network(want_model)
+    may_change = TRAINING_ONLY_MODEL_FIELDS | _top_1_renormalisation_dropped(saved_net, want_net)
+    return [f"{k}: checkpoint {_as_given(saved_model, saved_net, k)}, this run {_as_given(want_model, want_net, k)}"
+            for k, v in sorted(saved_net.items()) if k not in may_change and want_net.get(k) != v]
+
+
 def check_same_model(path: Path, cfg: Config) -> None:
     """Refuse to resume a checkpoint written for another model or sequence length: tensors of
     the same shapes would load silently into a different network (fewer layers, tied
     embeddings, another router). Fields are compared as the network they give (_network); a
     field the checkpoint's config predates is taken at its default, what its writer computed."""
     saved = load_metadata(path).get("config", {})
-    saved_model, want_model = _flat(saved.get("model", {}), "model."), _flat(cfg.to_dict()["model"], "model.")
-    defaults = _flat(dataclasses.asdict(ModelConfig()), "model.") if saved_model else {}
-    saved_net = _network({**{k: v for k, v in defaults.items() if k in want_model}, **saved_model})
-    want_net = _network(want_model)
-    may_change = TRAINING_ONLY_MODEL_FIELDS | _top_1_renormalisation_dropped(saved_net, want_net)
-    diffs = [f"{k}: checkpoint {_as_given(saved_model, saved_net, k)}, this run {_as_given(want_model, want_net, k)}"
-             for k, v in sorted(saved_net.items()) if k not in may_change and want_net.get(k) != v]
+    diffs = model_differences(saved.get("model", {}), cfg)
     saved_seq = saved.get("data", {}).get("seq_len")
     if saved_seq is not None and saved_seq != cfg.data.seq_len:
         diffs.append(f"data.seq_len: checkpoint {saved_seq}, this run {cfg.data.seq_len}")
@@ -231,13 +237,12 @@ def train_data_change(saved_sampler: dict[str, Any], num_windows: int, data_seed
 
 
 def check_not_an_import(run_dir: str | Path) -> None:
-    """An `import-hf` output holds weights the trainer does not start from (yet): training there
-    would silently begin from a random init, so it is refused."""
+    """An `import-hf` output is no run folder: training there would begin from a random init beside the imported
+    weights, so it is refused, naming train.init_from, which starts a run from them."""
     run = Path(run_dir)
     if (run / "model.safetensors").is_file() and (run / "hf_extra.json").is_file():
-        raise ConfigError(f"train.run_dir={run_dir} holds an import-hf output (model.safetensors, hf_extra.json): "
-                          "training does not start from imported weights yet and would begin from a random init; "
-                          "use another train.run_dir")
+        raise ConfigError(f"train.run_dir={run_dir} holds an import-hf output (model.safetensors, hf_extra.json), not a "
+                          f"run: to train from its weights use train.init_from={run_dir} with another train.run_dir")
 
 
 def check_no_checkpoints_after(run_dir: str | Path, start_step: int, resume: bool) -> None:
@@ -355,12 +360,19 @@ def _stored_name(name: str, saved: dict[str, dict], one_step_count: bool) -> str
 
 
 def _read(path: Path, shards: list[CheckpointShard], device: torch.device) -> dict[str, torch.Tensor]:
-    """{shard name: its slice}. load_checkpoint takes each saved name once per call, and a saved weight
-    may be wanted at two regions (as itself and as a master), hence one call per such repeat."""
+    """{shard name: its slice} for a resume: optimizer state too."""
     saved = inspect_checkpoint(path)["tensors"]
     one_step_count = "optim.step" in saved and not any(map(_is_param_step, saved))
-    wanted = {s.global_name: (_stored_name(s.global_name, saved, one_step_count), s.global_shape, _region(s.slice))
-              for s in shards}
+    return read_regions(path, {s.global_name: (_stored_name(s.global_name, saved, one_step_count), s) for s in shards},
+                        device)
+
+
+def read_regions(path: Path, wanted: dict[str, tuple[str, CheckpointShard]],
+                 device: torch.device) -> dict[str, torch.Tensor]:
+    """{name: the region of its shard, read from the checkpoint's tensor of the stored name} for wanted = {name:
+    (stored name, shard)}. load_checkpoint takes each saved name once per call, and a saved weight may be wanted
+    at two regions (as itself and as a master), hence one call per such repeat."""
+    wanted = {name: (stored, s.global_shape, _region(s.slice)) for name, (stored, s) in wanted.items()}
     passes: list[dict[str, tuple]] = []
     for key in dict.fromkeys(wanted.values()):
         todo = next((p for p in passes if key[0] not in p), None)

@@ -29,6 +29,7 @@ from moe_train.trainer.runtime import Runtime, StepResult
 from moe_train.trainer.launch import make_runtime
 from moe_train.trainer.schedule import schedule_change, train_lr_at
 from moe_train.trainer.errors import TrainingError
+from moe_train.trainer.init_from import check_init_source, load_initial_weights
 
 
 def pick_device(name: str) -> torch.device:
@@ -82,6 +83,7 @@ class Trainer:
             torch.manual_seed(t.seed)
             self.model = rt.setup(Transformer(cfg.model, device="meta"))  # each rank allocates only its slice
             self.run_dir = Path(t.run_dir)
+            self.init_source: Path | None = None  # train.init_from's checkpoint, on a run that starts at step 0
             self.step = 0
             self.skipped_steps = 0
             self.consecutive_skips = 0
@@ -266,6 +268,11 @@ class Trainer:
         path = ckpt.latest(self.run_dir) if self.cfg.train.resume else None
         if path is None:
             ckpt.check_not_an_import(self.run_dir)
+            if self.cfg.train.init_from is not None:
+                if self.cfg.parallel.strategy == "fsdp":
+                    raise ConfigError("parallel.strategy='fsdp': expected 'ddp' with train.init_from (the FSDP2 "
+                                      "baseline loads no checkpoints)")
+                self.init_source = check_init_source(self.cfg)
         else:
             if self.cfg.parallel.strategy == "fsdp":  # its runtime cannot load one: refused before the start event
                 raise ConfigError(f"parallel.strategy='fsdp': expected 'ddp' to resume train.run_dir="
@@ -332,13 +339,19 @@ class Trainer:
         resume_from = self.resume_point()  # a refusal comes before anything is logged
         resumed = resume_from is not None
         counts = count_params(self.cfg.model)
+        init_from = None if resumed else self.init_source
         self.log.write({"event": "start", "resumed_from_step": step_of(resume_from) if resumed else None,
+                        "init_from": str(init_from) if init_from is not None else None,
                         "params_total": counts.total, "params_active": counts.active,
                         "flops_per_token": self.flops_per_token, "world_size": rt.world_size,
                         "device": str(self.device)})
         try:
             if resumed:
                 self.restore(resume_from)
+            elif init_from is not None:
+                load_initial_weights(init_from, rt, self.model)
+                if self.is_main and t.progress:
+                    print(f"initialised from {init_from}", flush=True)
             if self.is_main:
                 # step records this run writes again: past the checkpoint (from a run that died after
                 # it), or all of them on a fresh start (a run that died before its first checkpoint)

@@ -1,0 +1,120 @@
+"""train.init_from: a run that starts at step 0 takes its weights from a checkpoint instead of a random init.
+
+The source is a run folder (its latest checkpoint), a trainer checkpoint folder (any parallel layout wrote it), or
+an `import-hf` output (model.safetensors + config.json: a Hugging Face model converted to ours). Weights and
+persistent buffers (the routers' expert bias) come from it: fp32 masters where the checkpoint has them, so a
+bf16-resident run's weights come back at full precision. Everything else starts fresh, as it does from a random
+init: AdamW moments and step counts, the step, the data order, the RNG. A run that resumes its own checkpoint
+never reads the source again (its weights are in that checkpoint).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moe_ckpt import CheckpointError, fail_together, inspect_checkpoint
+from moe_ckpt.hf import HFConversionError
+from moe_train.config import Config, ConfigError
+from moe_train.trainer import checkpoint as ckpt
+from moe_train.trainer.runtime import CheckpointShard, Runtime, Slice
+
+
+def check_init_source(cfg: Config) -> Path:
+    """The checkpoint train.init_from names, checked before the run starts (its files are read only when the
+    weights are loaded): a layout we read, and weights of this run's network."""
+    from moe_train.hf_bridge import stored_config  # hf_bridge imports the trainer's checkpoint module
+
+    given = cfg.train.init_from
+    source = Path(given)
+    if not source.exists():
+        raise ConfigError(f"train.init_from={given!r} does not exist: expected a run folder, a checkpoint folder or "
+                          "an import-hf output")
+    path = ckpt.latest(source) or source
+    try:
+        stored = stored_config(path)
+    except (CheckpointError, HFConversionError, ConfigError) as e:
+        raise ConfigError(f"train.init_from={given!r}: {e}") from None
+    diffs = ckpt.model_differences(stored.to_dict()["model"], cfg)
+    if diffs:
+        raise ConfigError(f"train.init_from={given!r} ({path}) holds the weights of another model ({'; '.join(diffs)}); "
+                          "give this run the checkpoint's model settings (an import-hf output's config.json works as "
+                          "--config)")
+    return path
+
+
+def load_initial_weights(path: Path, runtime: Runtime, model: nn.Module) -> None:
+    """Every rank calls this: fill the weights, fp32 masters and persistent buffers this rank holds from `path`
+    (check_init_source's), the optimizer state with zeros. If any rank's read fails, every rank raises."""
+    shards = ckpt.all_shards(runtime, model)
+    weights = {s.global_name: s for s in shards if not s.global_name.startswith("optim.") or _master_of(s.global_name)}
+    params = {name for name, _ in model.named_parameters()}
+
+    def read() -> dict[str, torch.Tensor]:
+        if (path / "index.json").is_file():  # a trainer checkpoint: each rank reads only its regions
+            saved = inspect_checkpoint(path)["tensors"]
+            wanted = {name: (_stored_name(name, params, saved), s) for name, s in weights.items()}
+            return ckpt.read_regions(path, wanted, runtime.device)
+        return _read_whole_tensors(path, weights)
+
+    data = fail_together(read, runtime.rank, runtime.world_size,
+                         lambda flags: runtime.all_reduce_sum(flags.to(runtime.device)).cpu(),
+                         f"reading train.init_from {path}")
+    runtime.load_checkpoint_shards(lambda name, sl: data[name] if name in data else _zeros(sl))
+    with torch.no_grad():
+        for s in shards:
+            if s.global_name not in params and not s.global_name.startswith("optim."):
+                s.tensor.copy_(data[s.global_name].reshape(s.tensor.shape))
+
+
+def _master_of(name: str) -> str | None:
+    """X for optim.X.master, else None."""
+    if name.startswith("optim.") and name.endswith(".master"):
+        return name[len("optim."):-len(".master")]
+    return None
+
+
+def _stored_name(name: str, params: set[str], saved: dict[str, dict]) -> str:
+    """The saved tensor to take `name` (a weight, its master, or a buffer) from: a weight's fp32 master when the
+    checkpoint has one (a bf16-resident run saves the weight in bf16), else the weight itself."""
+    weight = _master_of(name) or name
+    if weight in params and f"optim.{weight}.master" in saved:
+        return f"optim.{weight}.master"
+    return weight
+
+
+def _read_whole_tensors(path: Path, weights: dict[str, CheckpointShard]) -> dict[str, torch.Tensor]:
+    """An import-hf output (one model.safetensors by our names): each tensor read whole, then this rank's region."""
+    from moe_train.hf_bridge import open_checkpoint_source
+
+    out: dict[str, torch.Tensor] = {}
+    with open_checkpoint_source(path) as (_, source):
+        for name, s in weights.items():
+            weight = _master_of(name) or name
+            try:
+                t = source(weight)
+            except Exception as e:  # noqa: BLE001 - named below
+                raise CheckpointError(f"{path}: cannot read tensor {weight!r} ({type(e).__name__}: {e})") from None
+            if tuple(t.shape) != s.global_shape:
+                raise CheckpointError(f"{path}: tensor {weight!r} has shape {list(t.shape)}, expected "
+                                      f"{list(s.global_shape)} for this run's model")
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                raise CheckpointError(f"{path}: tensor {weight!r} holds {bad} NaN / Inf values: expected finite weights")
+            out[name] = _region_of(t.float(), s.slice)
+    return out
+
+
+def _region_of(t: torch.Tensor, sl: Slice) -> torch.Tensor:
+    if hasattr(sl, "start"):  # a flat range of the flattened global tensor
+        return t.reshape(-1)[sl.start: sl.start + sl.length]
+    return t[tuple(slice(o, o + n) for o, n in sl)]
+
+
+def _zeros(sl: Slice) -> torch.Tensor:
+    """Fresh optimizer state for one shard: zero moments, zero step counts."""
+    if hasattr(sl, "start"):
+        return torch.zeros(sl.length)
+    return torch.zeros(tuple(n for _, n in sl))
