@@ -103,6 +103,8 @@ class AsyncCheckpointer:
                 self._error = e
             finally:
                 stats.write_s = time.perf_counter() - start
+                if isinstance(snap, _Failed):
+                    snap.error = None  # the save is over: no cycle through its frames (see _Failed)
 
         self._thread = threading.Thread(target=run, name="moe-ckpt-async-save", daemon=True)
         _settle_at_exit(self)
@@ -118,7 +120,12 @@ class AsyncCheckpointer:
             stats, self._pending = self._pending, None
         if self._error is not None:
             err, self._error = self._error, None
-            raise err
+            try:
+                raise err
+            finally:
+                # Its traceback holds this frame: kept here, it would be a cycle holding this checkpointer and the
+                # save's barrier, with the process group it closes over (see fail_together).
+                del err
         if stats is not None:
             self.last_stats = stats
         return self.last_stats
@@ -209,11 +216,13 @@ def _settle(checkpointer: AsyncCheckpointer) -> None:
 class _Failed(list):
     """The shards of a save whose snapshot failed on this rank: empty, but writing them raises that error (on the
     background thread, inside the save's protocol, so every rank's save fails naming it instead of the others
-    waiting at a barrier this rank never reaches)."""
+    waiting at a barrier this rank never reaches). The save drops the error when it ends: frames on the error's
+    traceback (save()'s, the writer's) hold these shards, a cycle that would keep the save's barrier, with the process
+    group it closes over, alive after the caller dropped the error (see fail_together)."""
 
     def __init__(self, error: Exception) -> None:
         super().__init__()
-        self.error = error
+        self.error: Exception | None = error
 
     def __iter__(self):
         raise self.error

@@ -37,12 +37,18 @@ def fail_together(fn: Callable[[], T], rank: int, world_size: int, all_reduce_su
     except Exception as e:  # shared below, then raised
         error = e
         failed[rank] = 1
-    ranks = [r for r, f in enumerate(all_reduce_sum(failed).tolist()) if f]
-    others = [r for r in ranks if r != rank]
-    if error is not None:
-        if others:
-            error.add_note(f"{what} also failed on rank(s) {', '.join(map(str, others))} of {world_size}")
-        raise error
+    try:
+        ranks = [r for r, f in enumerate(all_reduce_sum(failed).tolist()) if f]
+        others = [r for r in ranks if r != rank]
+        if error is not None:
+            if others:
+                error.add_note(f"{what} also failed on rank(s) {', '.join(map(str, others))} of {world_size}")
+            raise error
+    finally:
+        # The error's traceback holds this frame: kept here, it would be a cycle that keeps all_reduce_sum (and the
+        # process group it closes over, with gloo's worker threads) alive after the caller dropped the error, until
+        # the garbage collector runs; a gloo group alive at interpreter exit can abort the process (pytorch#190489).
+        del error
     if ranks:
         raise PeerCheckpointError(f"rank {rank}: {what} failed on rank{'s' if len(ranks) > 1 else ''} "
                                   f"{', '.join(map(str, ranks))} of {world_size} (its own error names the cause); "

@@ -96,10 +96,11 @@ def save_checkpoint(
             phase(lambda: _commit(path, tmp, metadata, world_size, checksum, update_latest, keep_last_n))
         barrier()
         if not is_complete(path):  # the same answer on every rank: the rename happened before the barrier
-            failure = errors[0] if errors else CheckpointError(
-                f"checkpoint {path} was not committed: {_read_errors(tmp) or 'no error recorded'}")
+            if not errors:  # the other ranks' records, read now: after the barrier below they may go
+                errors.append(CheckpointError(
+                    f"checkpoint {path} was not committed: {_read_errors(tmp) or 'no error recorded'}"))
             barrier()  # every rank has read the error records; the tmp folder may go
-            raise failure
+            raise errors[0]
         late = _read_errors(tmp)  # committed, then rank 0 failed moving `latest` or applying retention
         if late:
             barrier()  # every rank has read the record; it may go
@@ -107,12 +108,16 @@ def save_checkpoint(
                 shutil.rmtree(tmp, ignore_errors=True)
             raise errors[0] if errors else CheckpointError(
                 f"checkpoint {path} was committed, then rank 0 failed: {late}")
+        if errors:  # committed, then a later step failed on this rank and its record could not be written
+            raise errors[0]
     except BaseException:
         if rank == 0 and not is_complete(path):
             shutil.rmtree(tmp, ignore_errors=True)  # abandoned: what survives keeps its .tmp name
         raise
-    if errors:  # committed, then a later step failed on this rank and its record could not be written
-        raise errors[0]
+    finally:
+        # The error raised has this frame (and `phase`'s, which shares `errors`) on its traceback: kept in `errors`,
+        # it would be a cycle holding the barrier and the process group it closes over (see fail_together).
+        errors.clear()
     return path
 
 

@@ -170,14 +170,17 @@ class AllToAllDispatcher:
             require_graph_kept(rows, payload, "codec.encode(rows)")
         except Exception as err:  # noqa: BLE001 - raised below, once every EP rank knows
             problem = err
-        send = self._counts_and_header(x, route_map, payload, problem)  # [ep, E_local + header] int64
-        recv = torch.empty_like(send)  # row r: from source rank r, its counts for my local experts + its header
-        dist.all_to_all_single(recv, send, group=self.group)
-        # The one device->host copy: split sizes must be host ints for all_to_all_single.
-        host = torch.cat([send[:, :e_local].sum(1), recv.reshape(-1)]).tolist()
-        send_splits = host[:ep]
-        table = [host[ep + r * (e_local + _HEADER) : ep + (r + 1) * (e_local + _HEADER)] for r in range(ep)]
-        self._refuse_together(problem, table, route_map, send.device)
+        try:
+            send = self._counts_and_header(x, route_map, payload, problem)  # [ep, E_local + header] int64
+            recv = torch.empty_like(send)  # row r: from source rank r, its counts for my local experts, its header
+            dist.all_to_all_single(recv, send, group=self.group)
+            # The one device->host copy: split sizes must be host ints for all_to_all_single.
+            host = torch.cat([send[:, :e_local].sum(1), recv.reshape(-1)]).tolist()
+            send_splits = host[:ep]
+            table = [host[ep + r * (e_local + _HEADER) : ep + (r + 1) * (e_local + _HEADER)] for r in range(ep)]
+            self._refuse_together(problem, table, route_map, send.device)
+        finally:
+            del problem  # its traceback holds this frame: no cycle keeping the group alive (collective_checks)
         recv_counts = recv[:, :e_local]  # [ep, E_local]: from each source rank, per local expert
         recv_splits = [sum(row[:e_local]) for row in table]
         num_recv = sum(recv_splits)
@@ -248,7 +251,10 @@ class AllToAllDispatcher:
                     f"route map counts {route_map.counts.tolist()} have a negative entry or do not sum to "
                     f"T*k={route_map.num_rows} rows"
                 )
-            raise_refused("dispatch", problem, bad, self.group, device)
+            try:
+                raise_refused("dispatch", problem, bad, self.group, device)
+            finally:
+                del problem  # no cycle through this frame (collective_checks)
         sent = [(row[e_local + _ROW_NUMEL], row[e_local + _DTYPE], row[e_local + _WIDTH]) for row in table]
         if len(set(sent)) > 1:
             each = "; ".join(f"rank {r}: d={w} ({n} values per row, {dtype_name(c)})"
@@ -286,7 +292,10 @@ class AllToAllDispatcher:
         mine = [0, 0, 0, 0] if problem else [expert_out.shape[1], dtype_code(expert_out.dtype), ctx.dispatch_index,
                                              _needs_grad(expert_out)]
         on = getattr(result, "offsets", expert_out)  # the header travels on dispatch's device
-        table = gather_or_raise("combine", problem, mine, self.group, getattr(on, "device", torch.device("cpu")))
+        try:
+            table = gather_or_raise("combine", problem, mine, self.group, getattr(on, "device", torch.device("cpu")))
+        finally:
+            del problem  # its traceback holds this frame: no cycle keeping the group alive (collective_checks)
         require_agreement([f"dispatch #{i}" for _, _, i, _ in table], "the dispatch call they combine",
                           "every EP rank must pass the result of the same dispatch of this dispatcher")
         require_agreement([f"d={w} {dtype_name(c)}" for w, c, _, _ in table], "the expert rows they send back",

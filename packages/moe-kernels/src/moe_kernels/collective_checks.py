@@ -5,6 +5,12 @@ timeout (30 minutes by default), and a caller that catches the error and retries
 exchanges; rows of another width or dtype than a peer expects abort the process inside gloo (SIGABRT)
 or corrupt memory under NCCL. So a transport checks its inputs first, tells its peers in a small
 collective whether it can go on, and then every rank goes on or every rank raises.
+
+A frame that holds the error it raises (or hands to a call that raises it) drops it on the way out (`del` in a
+`finally`): the error's traceback holds that frame, so the frame's reference is a cycle (error -> traceback ->
+frame -> error) that keeps the frame's process group, and gloo's worker threads, alive after the caller dropped
+the error, until the garbage collector runs; a gloo group still alive at interpreter exit can abort the process
+(SIGABRT, pytorch#190489).
 """
 
 from __future__ import annotations
@@ -43,26 +49,29 @@ def gather_or_raise(
     When a rank had a problem, every rank also gathers the error texts (a second all_gather, on that path
     only) and raises (see raise_refused). A group of one rank needs neither.
     """
-    ep = dist.get_world_size(group)
-    if ep == 1:
+    try:
+        ep = dist.get_world_size(group)
+        if ep == 1:
+            if problem is not None:
+                raise problem
+            return [values]
         if problem is not None:
-            raise problem
-        return [values]
-    if problem is not None:
-        device = refused_device(group)
-    # On a GPU the verdict travels on a side stream: it depends on no queued kernel, so the host read
-    # below waits for the peers only, not for the work queued before the check (unmeasured: EP has not
-    # run on several GPUs here; gloo groups take CPU tensors and have no streams).
-    side = torch.cuda.Stream(device) if device.type == "cuda" else None
-    with torch.cuda.stream(side) if side is not None else _no_stream():
-        mine = torch.tensor([int(problem is not None), *values], dtype=torch.int64, device=device)
-        table = torch.empty(ep * mine.numel(), dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(table, mine, group=group)
-        rows = table.view(ep, -1).tolist()
-    bad = [r for r in range(ep) if rows[r][0]]
-    if bad:
-        raise_refused(op, problem, bad, group, device)
-    return [row[1:] for row in rows]
+            device = refused_device(group)
+        # On a GPU the verdict travels on a side stream: it depends on no queued kernel, so the host read
+        # below waits for the peers only, not for the work queued before the check (unmeasured: EP has not
+        # run on several GPUs here; gloo groups take CPU tensors and have no streams).
+        side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        with torch.cuda.stream(side) if side is not None else _no_stream():
+            mine = torch.tensor([int(problem is not None), *values], dtype=torch.int64, device=device)
+            table = torch.empty(ep * mine.numel(), dtype=torch.int64, device=device)
+            dist.all_gather_into_tensor(table, mine, group=group)
+            rows = table.view(ep, -1).tolist()
+        bad = [r for r in range(ep) if rows[r][0]]
+        if bad:
+            raise_refused(op, problem, bad, group, device)
+        return [row[1:] for row in rows]
+    finally:
+        del problem  # raised through this frame: no cycle through it (module docstring)
 
 
 def raise_refused(op: str, problem: Exception | None, bad: list[int], group: Any, device: torch.device) -> NoReturn:
@@ -77,7 +86,10 @@ def raise_refused(op: str, problem: Exception | None, bad: list[int], group: Any
     others = "; ".join(f"EP rank {r}: {texts[r]}" for r in bad if r != me)
     if problem is not None:
         problem.add_note(f"(EP rank {me} of {ep}; {where}" + (f"; also {others})" if others else ")"))
-        raise problem
+        try:
+            raise problem
+        finally:
+            del problem  # no cycle through this frame (module docstring)
     raise ValueError(f"{where}: {others}")
 
 

@@ -279,7 +279,13 @@ def require_same_on_every_rank(group: dist.ProcessGroup, entries: list[str], wha
     size = dist.get_world_size(group)
     if size == 1:
         if refusal is not None:
-            raise refusal
+            try:
+                raise refusal
+            finally:
+                # Its traceback holds this frame: kept here, the pair is a cycle that keeps `group` (and gloo's worker
+                # threads) alive after the caller dropped the error, until the garbage collector runs; a gloo group
+                # alive at interpreter exit can abort the process (SIGABRT, pytorch#190489).
+                del refusal
         return
     digest = hashlib.sha256("\n".join(entries).encode()).digest()
     # only read when something differs; json, not pickle: what travels is text (all_gather_object unpickles)
@@ -299,7 +305,10 @@ def require_same_on_every_rank(group: dist.ProcessGroup, entries: list[str], wha
     gathered = gathered.view(size, width).cpu()
     told = [json.loads(bytes(gathered[r, : int(rows[r, 3])].tolist())) for r in range(size)]
     if refusal is not None:
-        raise refusal
+        try:
+            raise refusal
+        finally:
+            del refusal  # no cycle through this frame (as above)
     ranks = dist.get_process_group_ranks(group)
     refused = next((r for r in range(size) if told[r][0] is not None), None)
     if refused is not None:
