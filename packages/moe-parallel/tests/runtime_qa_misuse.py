@@ -159,7 +159,7 @@ def misuse_two_backwards_in_last_micro_batch() -> dict:
         launched_when_b_arrived = []
         flat_holder: list[FlatParams] = []
         # registered before FlatParams' own hook, so it sees the bucket as b's gradient arrives
-        b.register_post_accumulate_grad_hook(lambda _: launched_when_b_arrived.append(
+        watch = b.register_post_accumulate_grad_hook(lambda _: launched_when_b_arrived.append(
             flat_holder[0].buckets[0].handle is not None) if sync.final else None)
         flat = FlatParams([("a", a), ("b", b)], dist.group.WORLD, shard=shard, bucket_numel=1 << 20)
         flat_holder.append(flat)
@@ -182,6 +182,9 @@ def misuse_two_backwards_in_last_micro_batch() -> dict:
         out[f"legit_shard={shard}_launched_before_b"] = launched_when_b_arrived
         out[f"legit_shard={shard}_grad_ok"] = bool(torch.allclose(reduced, want))
         sync.remove_hooks()
+        # b's C++ hook closes over flat_holder and sync, which hold b: a cycle gc cannot see, keeping the flat's
+        # process group (and its gloo threads) alive into interpreter exit
+        watch.remove()
 
         # now a second gradient for a after its bucket was launched
         a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))

@@ -7,6 +7,8 @@ old-versus-new comparison. Runs on CPU with gloo (torch >= 2.11) and on GPU with
 
 from __future__ import annotations
 
+import weakref
+
 import torch.distributed as dist
 from torch import nn
 
@@ -23,6 +25,14 @@ def apply_fsdp(model: nn.Module, group: dist.ProcessGroup, device_type: str) -> 
     from torch.distributed.fsdp import fully_shard
 
     mesh = DeviceMesh.from_group(group, device_type)
+    # torch's DTensor caches (sharding propagation, redistribute planners, mesh topology) keep every mesh an op
+    # saw until the process exits, and the mesh holds its group in _pg_registry (torch 2.15; read only under
+    # torch.compile, eager ops resolve the group by name): the group outlived destroy_process_group, and its gloo
+    # threads ran into interpreter exit (pytorch#190489 aborts the rank there). Held weakly, it lives as long as
+    # the run holds it (test_qa65).
+    registry = getattr(mesh, "_pg_registry", None)
+    if isinstance(registry, dict):
+        mesh._pg_registry = weakref.WeakValueDictionary(registry)
     for module in reversed(list(model.modules())):  # inner lists first: fully_shard takes children before parents
         if isinstance(module, nn.ModuleList):
             for child in module:
