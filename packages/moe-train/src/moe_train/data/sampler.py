@@ -10,12 +10,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moe_train.data.token_file import DataError
+from moe_train.data.token_file import DataError, check_token_ids
 
 
 class WindowSampler:
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, shuffle: bool = True):
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, shuffle: bool = True,
+                 vocab_size: int | None = None):
+        """vocab_size: every window drawn is checked to hold only ids below it (None: not checked)."""
         self.tokens = tokens
+        self.vocab_size = vocab_size
         self.seq_len = seq_len
         self.seed = seed
         self.shuffle = shuffle
@@ -35,7 +38,10 @@ class WindowSampler:
             self._perm_epoch = epoch
         w = int(self._perm[i]) if self.shuffle else i
         start = w * self.seq_len
-        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
+        window = np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
+        if self.vocab_size is not None:
+            check_token_ids(window, self.vocab_size, self.tokens, start)
+        return window
 
     def next_batch(self, batch_size: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """The next global batch of world*batch_size windows; this rank's share: inputs, targets [B, S]."""
@@ -58,11 +64,13 @@ class WindowSampler:
         self._perm_epoch = -1  # a permutation drawn before this load may be of another seed
 
 
-def eval_windows(tokens: np.ndarray, seq_len: int, num_windows: int, max_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def eval_windows(tokens: np.ndarray, seq_len: int, num_windows: int, max_batch_size: int,
+                 vocab_size: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The eval set: min(num_windows, all) windows evenly spread over the split, as (inputs, targets)
     batches of at most max_batch_size windows (the last may be smaller). Average the batch losses
     weighted by batch size: then neither the set nor the mean depends on the micro-batch size or
-    the parallel layout, only the float reduction order does."""
+    the parallel layout, only the float reduction order does. vocab_size: each window is checked to hold only
+    ids below it (None: not checked)."""
     n = (tokens.size - 1) // seq_len
     want = max(0, min(n, num_windows))
     idx = np.linspace(0, n - 1, want).astype(np.int64) if want else np.zeros(0, dtype=np.int64)
@@ -70,6 +78,9 @@ def eval_windows(tokens: np.ndarray, seq_len: int, num_windows: int, max_batch_s
     out = []
     for b in range(0, want, size):
         rows = [np.asarray(tokens[i * seq_len : i * seq_len + seq_len + 1], dtype=np.int64) for i in idx[b : b + size]]
+        if vocab_size is not None:
+            for i, row in zip(idx[b : b + size], rows):
+                check_token_ids(row, vocab_size, tokens, int(i) * seq_len)
         arr = torch.from_numpy(np.stack(rows))
         out.append((arr[:, :-1].contiguous(), arr[:, 1:].contiguous()))
     return out

@@ -1,7 +1,9 @@
 """Tokenized data on disk: flat uint32 token files (numpy memmap) with document boundaries.
 
 A data folder holds:
-  meta.json            {"format": "moe-train-tokens/1", "vocab_size", "eos_id", "splits": {...}, "tokenizer"}
+  meta.json            {"format": "moe-train-tokens/1", "vocab_size", "eos_id", "splits": {...}, "tokenizer"};
+                       each split {"num_tokens", "num_docs", "max_token_id"} (max_token_id: its largest id, -1 when
+                       empty; written since moe-train 0.16.0, so a folder is opened without reading every token)
   train.u32, eval.u32  raw little-endian uint32 tokens, documents back to back, each ended by eos_id
                        (no header: np.memmap-compatible like OLMo-core's token .npy files)
   train.docs.u64, ...  document end offsets (exclusive), one uint64 per document
@@ -46,6 +48,7 @@ class SplitWriter:
 
     def __init__(self, folder: Path, name: str, eos_id: int) -> None:
         self.eos_id, self.num_tokens, self.num_docs, self._last_end = eos_id, 0, 0, 0
+        self.max_token_id = -1
         self._tokens = open(folder / f"{name}.u32", "wb")
         self._ends = open(folder / f"{name}.docs.u64", "wb")
 
@@ -55,6 +58,8 @@ class SplitWriter:
         self._write_ends(np.flatnonzero(tokens == self.eos_id) + (self.num_tokens + 1))
         tokens.tofile(self._tokens)
         self.num_tokens += tokens.size
+        if tokens.size:
+            self.max_token_id = max(self.max_token_id, int(tokens.max()))
 
     def finish(self) -> tuple[int, int]:
         """Put the files on disk (not only in the page cache); returns (tokens, documents)."""
@@ -143,17 +148,36 @@ def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, Toke
             raise DataError(f"{tok_path}: holds {tokens.size} tokens ({size} bytes of uint32) but meta.json says "
                             f"{expected}; the file is truncated, or not of this meta.json")
         doc_ends = np.fromfile(doc_path, dtype="<u8") if doc_path.is_file() else np.array([tokens.size], dtype=np.uint64)
-        if tokens.size:
-            top = int(_chunked_max(tokens))
-            if top >= vocab_size:
-                needed = max(top + 1, int(meta.get("vocab_size") or 0))
-                raise DataError(
-                    f"{tok_path}: token id {top} >= model.vocab_size={vocab_size}; "
-                    f"the data was tokenized with vocab_size={meta.get('vocab_size')}: set model.vocab_size >= "
-                    f"{needed} (e.g. --model.vocab_size={needed}) or prepare the data with a smaller --vocab-size"
-                )
+        # The largest id prepare-data recorded, else (a folder from before 0.16.0) every token read once. Either way
+        # each batch is checked again as it is drawn (check_token_ids): a file changed after meta.json was written.
+        recorded = meta["splits"][name].get("max_token_id")
+        top = recorded if _is_recorded_id(recorded) else (int(_chunked_max(tokens)) if tokens.size else -1)
+        if top >= vocab_size:
+            raise out_of_vocab(tok_path, top, vocab_size, meta["vocab_size"])
         splits[name] = TokenSplit(tokens, doc_ends)
     return meta, splits
+
+
+def _is_recorded_id(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= -1
+
+
+def out_of_vocab(where: object, top: int, vocab_size: int, data_vocab: int | None) -> DataError:
+    needed = max(top + 1, data_vocab or 0)
+    tokenized = f"the data was tokenized with vocab_size={data_vocab}: " if data_vocab is not None else ""
+    return DataError(f"{where}: token id {top} >= model.vocab_size={vocab_size}; {tokenized}set model.vocab_size >= "
+                     f"{needed} (e.g. --model.vocab_size={needed}) or prepare the data with a smaller --vocab-size")
+
+
+def check_token_ids(window: np.ndarray, vocab_size: int, tokens: np.ndarray, start: int) -> None:
+    """A drawn window of `tokens` (from token `start`) holds no id >= vocab_size: the embedding would index past
+    its table (on a GPU, a device-side assert that ends the process without naming the data). The folder was
+    checked when opened; this finds a token file changed since its meta.json was written."""
+    if window.size and int(window.max()) >= vocab_size:
+        first = int(np.argmax(window >= vocab_size))
+        name = getattr(tokens, "filename", None) or "the token stream"
+        raise out_of_vocab(f"{name} at token {start + first} (changed since its meta.json was written?)",
+                           int(window[first]), vocab_size, None)
 
 
 def _chunked_max(tokens: np.ndarray, chunk: int = 1 << 26) -> int:

@@ -64,9 +64,10 @@ class Trainer:
             data_dir = resolve_data_dir(cfg.data, self.is_main)
             rt.barrier()
             self.meta, splits = open_data(data_dir, cfg.model.vocab_size)
-            self.sampler = WindowSampler(splits["train"].tokens, cfg.data.seq_len, cfg.data.seed)
+            vocab = cfg.model.vocab_size
+            self.sampler = WindowSampler(splits["train"].tokens, cfg.data.seq_len, cfg.data.seed, vocab_size=vocab)
             self.eval_data = eval_windows(splits["eval"].tokens, cfg.data.seq_len, t.eval_windows,
-                                          t.micro_batch_size)
+                                          t.micro_batch_size, vocab_size=vocab)
             # eval_windows' upper bound
             self.eval_split_windows = (splits["eval"].tokens.size - 1) // cfg.data.seq_len
             if t.eval_interval > 0 and not self.eval_data:

@@ -1,0 +1,82 @@
+"""Token ids beyond the model's vocabulary: a data folder records each split's largest id (prepare-data, since
+0.16.0), so opening it reads no token; an older folder is scanned as before; and every window drawn for training or
+eval is checked, so a token file changed after its meta.json was written stops with an error naming the file and
+the token, not with an embedding index past its table (a device-side assert on a GPU)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from moe_train.data import DataError, WindowSampler, eval_windows, open_data
+from moe_train.data import token_file
+
+
+def test_prepare_data_records_each_splits_largest_token_id(data_dir):
+    meta = json.loads((data_dir / "meta.json").read_text())
+    for name in ("train", "eval"):
+        tokens = np.fromfile(data_dir / f"{name}.u32", dtype="<u4")
+        assert meta["splits"][name]["max_token_id"] == int(tokens.max()), name
+
+
+def test_a_folder_that_records_its_largest_id_opens_without_reading_its_tokens(data_dir, monkeypatch):
+    def no_scan(tokens, chunk=0):  # noqa: ANN001, ANN202
+        raise AssertionError("open_data read every token although meta.json records the largest id")
+    monkeypatch.setattr(token_file, "_chunked_max", no_scan)
+    meta, splits = open_data(data_dir, 512)
+    assert splits["train"].tokens.size == meta["splits"]["train"]["num_tokens"]
+    top = meta["splits"]["train"]["max_token_id"]
+    meta["vocab_size"] = top  # below the model's, so the recorded id alone refuses it
+    (data_dir / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match=rf"train.u32: token id {top} >= model.vocab_size={top}"):
+        open_data(data_dir, top)
+
+
+def test_a_folder_from_before_the_record_is_scanned(data_dir):
+    meta = json.loads((data_dir / "meta.json").read_text())
+    for split in meta["splits"].values():
+        del split["max_token_id"]
+    meta["vocab_size"] = 100
+    (data_dir / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match=r"train.u32: token id \d+ >= model.vocab_size=100"):
+        open_data(data_dir, 100)
+
+
+def poison(path, at: int, value: int) -> None:
+    tokens = np.fromfile(path, dtype="<u4")
+    tokens[at] = value
+    tokens.tofile(path)
+
+
+def test_a_token_file_changed_after_its_meta_is_caught_when_its_window_is_drawn(data_dir):
+    poison(data_dir / "train.u32", 1000, 70_000)  # meta.json still records the old largest id
+    _, splits = open_data(data_dir, 512)
+    sampler = WindowSampler(splits["train"].tokens, 32, seed=0, shuffle=False, vocab_size=512)
+    for _ in range(1000 // 33):  # the windows before it are fine
+        sampler.next_batch(1)
+    with pytest.raises(DataError, match=r"train.u32 at token 1000 \(changed since its meta.json was written\?\): "
+                                        r"token id 70000 >= model.vocab_size=512.*--model.vocab_size=70001"):
+        for _ in range(3):
+            sampler.next_batch(1)
+
+
+def test_an_eval_split_changed_after_its_meta_is_caught_when_the_eval_set_is_built(data_dir):
+    poison(data_dir / "eval.u32", 5, 9_999)
+    _, splits = open_data(data_dir, 512)
+    with pytest.raises(DataError, match=r"eval.u32 at token 5 .*token id 9999 >= model.vocab_size=512"):
+        eval_windows(splits["eval"].tokens, 32, 8, 4, vocab_size=512)
+
+
+def test_the_trainer_checks_the_windows_it_draws(tmp_path, data_dir, make_config):
+    from moe_train.trainer.loop import Trainer
+
+    tokens = np.fromfile(data_dir / "train.u32", dtype="<u4")
+    tokens[:] = np.minimum(tokens, 511)
+    tokens[::50] = 600  # every window holds one; meta.json says otherwise
+    tokens.tofile(data_dir / "train.u32")
+    cfg = make_config(tmp_path, steps=2, eval_interval=0, save_interval=0)
+    cfg.data.path = str(data_dir)
+    with pytest.raises(DataError, match=r"train.u32 at token \d+ .*token id 600 >= model.vocab_size=512"):
+        Trainer(cfg).train()
