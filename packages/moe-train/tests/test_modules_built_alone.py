@@ -40,7 +40,7 @@ def test_attention_refuses_a_bad_config_when_built(overrides, message):
 
 @pytest.mark.parametrize("top_k", [0, 5])
 def test_router_refuses_a_top_k_its_experts_cannot_give(top_k):
-    with pytest.raises(ConfigError, match=rf"model.router.top_k={top_k}: expected 1 <= top_k <= num_experts=4"):
+    with pytest.raises(ConfigError, match=rf"model.router.top_k={top_k}: expected 1 <= top_k <= model.num_experts=4"):
         Router(16, 4, RouterConfig(top_k=top_k))
 
 

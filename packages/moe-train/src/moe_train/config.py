@@ -216,16 +216,17 @@ def _check_type(name: str, value: Any, annotation: Any) -> None:
                "a finite number")
     elif annotation is str:
         _check(isinstance(value, str), name, value, "a string")
+    elif dataclasses.is_dataclass(annotation):  # a section given as a dict, None or another section
+        _check(isinstance(value, annotation), name, value, f"a {annotation.__name__}")
 
 
 def _check_types(obj: Any, prefix: str = "") -> None:
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
+        _check_type(f"{prefix}{f.name}", value, hints[f.name])
         if dataclasses.is_dataclass(value):
             _check_types(value, f"{prefix}{f.name}.")
-        else:
-            _check_type(f"{prefix}{f.name}", value, hints[f.name])
 
 
 def validate_model(m: ModelConfig) -> ModelConfig:

@@ -364,7 +364,7 @@ def _leaves(key: str, value: Any) -> list[tuple[str, Any]]:
 def _expand_home(cfg: Config) -> None:
     """A path field starting with `~` or `~user` means that home folder, as in a shell: the shell leaves
     `--train.run_dir=~/x` as typed, and without this the run would write into a folder named `~`."""
-    for section, name in (("data", "path"), ("data", "cache_dir"), ("train", "run_dir")):
+    for section, name in (("data", "path"), ("data", "cache_dir"), ("train", "run_dir"), ("train", "init_from")):
         part = getattr(cfg, section)
         value = getattr(part, name)
         if isinstance(value, str) and value.startswith("~"):

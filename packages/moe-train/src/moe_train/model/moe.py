@@ -7,7 +7,7 @@ from torch import nn
 
 from moe_kernels import IdentityCodec, LocalDispatcher, TokenDispatcher, build_route_map, moe_ffn, swiglu_experts
 from moe_precision import PrecisionRecipe
-from moe_train.config import ModelConfig, validate_model
+from moe_train.config import ConfigError, ModelConfig, validate_model
 from moe_train.model.layers import SwiGLU
 from moe_train.model.router import Router
 
@@ -25,6 +25,9 @@ class MoELayer(nn.Module):
     def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe):
         super().__init__()
         validate_model(cfg)  # also when built alone, outside a Transformer
+        if cfg.num_experts < 1:
+            raise ConfigError(f"MoELayer: model.num_experts={cfg.num_experts}: expected >= 1 (0 is a dense model, "
+                              "whose layers are dense SwiGLUs)")
         self.num_experts = cfg.num_experts
         self.gemm_backend = cfg.gemm_backend
         self.recipe = recipe

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_kernels.triton import at_own_dtype
-from moe_train.config import ConfigError, ModelConfig, RouterConfig
+from moe_train.config import ConfigError, ModelConfig, RouterConfig, validate_model
 from moe_train.model.layers import fp32_or_wider
 
 
@@ -45,8 +45,10 @@ class RouterOutput:
 class Router(nn.Module):
     def __init__(self, d_model: int, num_experts: int, cfg: RouterConfig):
         super().__init__()
-        if not 1 <= cfg.top_k <= num_experts:  # topk would fail at the first forward, without the names
-            raise ConfigError(f"model.router.top_k={cfg.top_k}: expected 1 <= top_k <= num_experts={num_experts}")
+        # checked as a run's router is (topk would fail at the first forward, an unknown gating compute sigmoid)
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+            raise ConfigError(f"Router: num_experts={num_experts!r}: expected an integer >= 1")
+        validate_model(ModelConfig(num_experts=num_experts, router=cfg))
         self.cfg = cfg
         self.num_experts = num_experts
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))

@@ -102,10 +102,16 @@ def _flat(section: dict[str, Any], prefix: str) -> dict[str, Any]:
 _NOT_RECORDED = object()  # a model field the checkpoint's config predates
 
 
+MOE_ONLY_FIELDS = ("model.dense_layers", "model.expert_hidden", "model.shared_expert_hidden", "model.shared_expert_gate")
+
+
 def _network(model: dict[str, Any]) -> dict[str, Any]:
-    """Flat model fields as the network they give: head_dim null is d_model // num_heads, and dense_layers a
-    set (order and repeats do not change which layers are dense)."""
+    """Flat model fields as the network they give: head_dim null is d_model // num_heads, dense_layers a
+    set (order and repeats do not change which layers are dense), and a dense model (num_experts 0) without the
+    fields only MoE layers read (an HF round trip resets them)."""
     out = dict(model)
+    if out.get("model.num_experts") == 0:
+        out = {k: v for k, v in out.items() if k not in MOE_ONLY_FIELDS and not k.startswith("model.router.")}
     d, heads = out.get("model.d_model"), out.get("model.num_heads")
     if out.get("model.head_dim") is None and isinstance(d, int) and isinstance(heads, int) and heads > 0:
         out["model.head_dim"] = d // heads

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from moe_ckpt import CheckpointError, fail_together, inspect_checkpoint
-from moe_ckpt.hf import HFConversionError
+from moe_ckpt.hf import HFConversionError, read_json_object
 from moe_train.config import Config, ConfigError
 from moe_train.trainer import checkpoint as ckpt
 from moe_train.trainer.runtime import CheckpointShard, Runtime, Slice
@@ -28,7 +28,7 @@ def check_init_source(cfg: Config) -> Path:
     from moe_train.hf_bridge import stored_config  # hf_bridge imports the trainer's checkpoint module
 
     given = cfg.train.init_from
-    source = Path(given)
+    source = Path(given)  # a `~` was expanded by build_config, as in train.run_dir
     if not source.exists():
         raise ConfigError(f"train.init_from={given!r} does not exist: expected a run folder, a checkpoint folder or "
                           "an import-hf output")
@@ -36,6 +36,11 @@ def check_init_source(cfg: Config) -> Path:
     try:
         stored = stored_config(path)
     except (CheckpointError, HFConversionError, ConfigError) as e:
+        model_type = _hugging_face_model_type(path)
+        if model_type is not None:  # the folder import-hf reads, given in place of what it writes
+            raise ConfigError(f"train.init_from={given!r} is a Hugging Face model folder (config.json model_type="
+                              f"{model_type!r}), not ours: convert it first with `moe-train import-hf {given} OUT`, "
+                              "then train.init_from=OUT (and --config OUT/config.json for its model settings)") from None
         raise ConfigError(f"train.init_from={given!r}: {e}") from None
     diffs = ckpt.model_differences(stored.to_dict()["model"], cfg)
     if diffs:
@@ -43,6 +48,15 @@ def check_init_source(cfg: Config) -> Path:
                           "give this run the checkpoint's model settings (an import-hf output's config.json works as "
                           "--config)")
     return path
+
+
+def _hugging_face_model_type(path: Path) -> str | None:
+    """The model_type of a Hugging Face model folder (a config.json with one and no 'model' section), else None."""
+    try:
+        hf_config = read_json_object(path / "config.json")
+    except (OSError, HFConversionError):
+        return None
+    return str(hf_config["model_type"]) if "model_type" in hf_config and "model" not in hf_config else None
 
 
 def load_initial_weights(path: Path, runtime: Runtime, model: nn.Module) -> None:
