@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 import test_parallel_harness as h
 from conftest import small_config
 
@@ -46,3 +49,26 @@ def train_two_ranks(rank: int, port: int, root: str, data_dir: str, init_from: s
     seen = before_first_step(trainer)
     summary = trainer.train()
     return {"seen": dict(seen), "summary": summary}
+
+
+class GlooSums:
+    """The one collective _require_one_source makes, over the real world group."""
+
+    device = torch.device("cpu")
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t)
+        return t
+
+
+def resolve_steps(rank: int, port: int, steps: list[int]) -> dict:
+    """Each rank checks that the ranks agree on the checkpoint, this one holding step-{steps[rank]}."""
+    from moe_train.trainer.init_from import _require_one_source
+
+    h.worker_env(rank, 2, port)
+    dist.init_process_group("gloo")
+    try:
+        _require_one_source(Path(f"/nowhere/checkpoints/step-{steps[rank]:08d}"), GlooSums())
+        return {"refused": None}
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return {"refused": str(e)}

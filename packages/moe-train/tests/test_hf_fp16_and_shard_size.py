@@ -89,7 +89,7 @@ def test_export_hf_max_shard_bytes_caps_each_shard(tmp_path, capsys):
     assert "of fp16 in" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("size", ["0", "1.5GB", "5XB", "GB", "-3", ""])
+@pytest.mark.parametrize("size", ["0", "1.5GB", "5XB", "GB", "-3", "", "²GB"])
 def test_export_hf_refuses_a_shard_size_it_cannot_read(size, tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         main(["export-hf", str(tmp_path / "run"), str(tmp_path / "out"), "--max-shard-bytes", size])

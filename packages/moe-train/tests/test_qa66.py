@@ -90,3 +90,21 @@ def test_a_dense_model_starts_from_the_import_of_its_own_export(tmp_path, data_d
         again.train()
     for name, t in trainer.model.state_dict().items():
         assert torch.equal(seen["shards"][name][2], t), name
+
+
+@pytest.mark.parametrize("steps", [[3, 3], [3, 5]])
+def test_ranks_that_resolved_different_checkpoints_of_the_source_refuse_together(steps, tmp_path):
+    """Each rank looks up a run folder's latest checkpoint on its own; a run still saving can move it between the
+    lookups, and replicas would start from different weights without a word."""
+    import torch.multiprocessing as mp
+
+    import test_parallel_harness as h
+
+    mp.spawn(h.run_guarded, args=(w.resolve_steps, str(tmp_path), h.free_port(), steps), nprocs=2, join=True)
+    refused = [r["refused"] for r in h.load_results(tmp_path, 2)]
+    if steps[0] == steps[1]:
+        assert refused == [None, None]
+    else:
+        for rank, text in enumerate(refused):
+            assert text is not None and f"this rank: step-{steps[rank]:08d}" in text, (rank, text)
+            assert "the ranks resolved different checkpoints of /nowhere/checkpoints" in text

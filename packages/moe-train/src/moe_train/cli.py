@@ -126,7 +126,7 @@ def _byte_size(text: str) -> int:
     """A size in bytes: an integer, optionally with a unit (5GB as transformers' max_shard_size, 2GiB, 500MB)."""
     number = text.strip().rstrip("BbIiKkMmGg")
     unit = text.strip()[len(number):].upper()
-    if not number.isdigit() or unit not in SIZE_UNITS or int(number) * SIZE_UNITS[unit] < 1:
+    if not number.isdecimal() or not number.isascii() or unit not in SIZE_UNITS or int(number) * SIZE_UNITS[unit] < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a size >= 1 byte, an integer with an optional unit "
                                          "(B, KB, MB, GB, KiB, MiB, GiB), e.g. 5GB")
     return int(number) * SIZE_UNITS[unit]

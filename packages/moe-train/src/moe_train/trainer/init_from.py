@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from moe_ckpt import CheckpointError, fail_together, inspect_checkpoint
+from moe_ckpt import CheckpointError, fail_together, inspect_checkpoint, step_of
 from moe_ckpt.hf import HFConversionError, read_json_object
 from moe_train.config import Config, ConfigError
 from moe_train.trainer import checkpoint as ckpt
@@ -62,6 +62,7 @@ def _hugging_face_model_type(path: Path) -> str | None:
 def load_initial_weights(path: Path, runtime: Runtime, model: nn.Module) -> None:
     """Every rank calls this: fill the weights, fp32 masters and persistent buffers this rank holds from `path`
     (check_init_source's), the optimizer state with zeros. If any rank's read fails, every rank raises."""
+    _require_one_source(path, runtime)
     shards = ckpt.all_shards(runtime, model)
     weights = {s.global_name: s for s in shards if not s.global_name.startswith("optim.") or _master_of(s.global_name)}
     params = {name for name, _ in model.named_parameters()}
@@ -81,6 +82,18 @@ def load_initial_weights(path: Path, runtime: Runtime, model: nn.Module) -> None
         for s in shards:
             if s.global_name not in params and not s.global_name.startswith("optim."):
                 s.tensor.copy_(data[s.global_name].reshape(s.tensor.shape))
+
+
+def _require_one_source(path: Path, runtime: Runtime) -> None:
+    """Every rank resolved the same checkpoint: a run folder's latest one, looked up by each rank on its own, may
+    move on between the ranks' lookups (a run still saving), and replicas starting from different weights would
+    never agree again. Compared by step (one all-reduce of the step and its square)."""
+    step = float(step_of(path) if step_of(path) is not None else -1)
+    total, squares, ranks = runtime.all_reduce_sum(
+        torch.tensor([step, step * step, 1.0], dtype=torch.float64, device=runtime.device)).tolist()
+    if squares * ranks != total * total:
+        raise ConfigError(f"train.init_from: the ranks resolved different checkpoints of {path.parent} (this rank: "
+                          f"{path.name}; a run still saving?); give train.init_from one checkpoint folder")
 
 
 def _master_of(name: str) -> str | None:
