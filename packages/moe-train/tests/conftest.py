@@ -1,24 +1,14 @@
 import os
 import signal
+import sys
+from pathlib import Path
 
 import pytest
 
-from moe_train.config import Config, DataConfig, ModelConfig, RouterConfig, TrainConfig
 from moe_train.trainer.runtime import LocalRuntime
 
-
-def small_config(tmp_path, **train) -> Config:
-    """A very small MoE for fast CPU tests, on a small data folder made by the `data_dir` fixture."""
-    return Config(
-        model=ModelConfig(vocab_size=512, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, qk_norm=True,
-                          dense_hidden=64, dense_layers=[0], num_experts=4, expert_hidden=16,
-                          shared_expert_hidden=16, router=RouterConfig(top_k=2, expert_bias=True)),
-        data=DataConfig(path=str(tmp_path / "data"), seq_len=32),
-        train=TrainConfig(**{"steps": 6, "micro_batch_size": 4, "grad_accum": 2, "warmup_steps": 2,
-                             "eval_interval": 3, "eval_windows": 8, "log_interval": 2, "save_interval": 3,
-                             "run_dir": str(tmp_path / "run"), "progress": False, **train}),
-        preset="test",
-    )
+sys.path.insert(0, str(Path(__file__).parent))
+from test_parallel_harness import small_config  # noqa: E402,F401 - one definition: spawned workers import it there
 
 
 @pytest.fixture

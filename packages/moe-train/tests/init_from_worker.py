@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import test_parallel_harness as h
-from conftest import small_config
+from test_parallel_harness import small_config
 
 
 def config(run_dir: Path, data_dir: str, init_from: str | None, steps: int = 2, **train):

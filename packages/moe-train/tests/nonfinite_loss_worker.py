@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 import test_parallel_harness as h
-from conftest import small_config
+from test_parallel_harness import small_config
 
 POISONED_STEP = 1  # the step (0-based, as trainer.step counts the steps done) whose loss is +inf
 

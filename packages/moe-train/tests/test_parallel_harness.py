@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moe_train.config import Config
+from moe_train.config import Config, DataConfig, ModelConfig, RouterConfig, TrainConfig
 from moe_train.data import WindowSampler
 from moe_train.model import Transformer
 from moe_train.presets import tiny
@@ -38,6 +38,20 @@ def shrunk_tiny(dp: int = 1, ep: int = 1, strategy: str = "ddp") -> Config:
     t.micro_batch_size, t.grad_accum, t.steps, t.warmup_steps, t.device = GLOBAL_BATCH // dp, GRAD_ACCUM, STEPS, 5, "cpu"
     cfg.parallel.dp, cfg.parallel.ep, cfg.parallel.strategy = dp, ep, strategy
     return cfg
+
+
+def small_config(tmp_path, **train) -> Config:
+    """A very small MoE for fast CPU tests, on a small data folder made by the `data_dir` fixture."""
+    return Config(
+        model=ModelConfig(vocab_size=512, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, qk_norm=True,
+                          dense_hidden=64, dense_layers=[0], num_experts=4, expert_hidden=16,
+                          shared_expert_hidden=16, router=RouterConfig(top_k=2, expert_bias=True)),
+        data=DataConfig(path=str(tmp_path / "data"), seq_len=32),
+        train=TrainConfig(**{"steps": 6, "micro_batch_size": 4, "grad_accum": 2, "warmup_steps": 2,
+                             "eval_interval": 3, "eval_windows": 8, "log_interval": 2, "save_interval": 3,
+                             "run_dir": str(tmp_path / "run"), "progress": False, **train}),
+        preset="test",
+    )
 
 
 def token_stream(seed: int = 0, n: int = 40_000, vocab: int = 256) -> np.ndarray:
