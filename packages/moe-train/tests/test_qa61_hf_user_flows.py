@@ -153,7 +153,7 @@ def test_a_bf16_export_is_exactly_our_model_with_bf16_rounded_weights(case, tmp_
 
 
 def test_an_unknown_dtype_is_refused_by_name_and_nothing_is_written(run, tmp_path, capsys):
-    """bf16, fp16 and fp32 are the export dtypes (fp16 since moe-ckpt 0.12.3: tests/test_hf_fp16_and_shard_size.py)."""
+    """bf16, fp16 and fp32 are the export dtypes (fp16 since moe-ckpt 0.13.0: tests/test_hf_fp16_and_shard_size.py)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(HFConversionError, match=r"dtype='fp8': expected one of bf16, fp16, fp32"):
