@@ -46,7 +46,16 @@ class WindowSampler:
     def next_batch(self, batch_size: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """The next global batch of world*batch_size windows; this rank's share: inputs, targets [B, S]."""
         base = self.samples_seen
-        rows = [self._window(base + j * world + rank) for j in range(batch_size)]
+        # With vocab_size, every rank checks the whole global batch, in one order: a bad window stops every rank
+        # with the same error before the step's collectives. Checked by its own rank alone, it stopped that rank
+        # while the others waited in a collective for it (on NCCL, until parallel.collective_timeout_s).
+        checked = range(world) if self.vocab_size is not None else (rank,)
+        rows = []
+        for j in range(batch_size):
+            for r in checked:
+                window = self._window(base + j * world + r)
+                if r == rank:
+                    rows.append(window)
         self.samples_seen += batch_size * world
         arr = torch.from_numpy(np.stack(rows))
         return arr[:, :-1].contiguous(), arr[:, 1:].contiguous()

@@ -151,15 +151,18 @@ def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, Toke
         # The largest id prepare-data recorded, else (a folder from before 0.16.0) every token read once. Either way
         # each batch is checked again as it is drawn (check_token_ids): a file changed after meta.json was written.
         recorded = meta["splits"][name].get("max_token_id")
-        top = recorded if _is_recorded_id(recorded) else (int(_chunked_max(tokens)) if tokens.size else -1)
+        top = recorded if _is_recorded_id(recorded, tokens.size) else (int(_chunked_max(tokens)) if tokens.size else -1)
         if top >= vocab_size:
             raise out_of_vocab(tok_path, top, vocab_size, meta["vocab_size"])
         splits[name] = TokenSplit(tokens, doc_ends)
     return meta, splits
 
 
-def _is_recorded_id(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= -1
+def _is_recorded_id(v: object, num_tokens: int) -> bool:
+    """v can be the largest id of num_tokens uint32 tokens (-1 when there are none); else the split is scanned."""
+    if not isinstance(v, int) or isinstance(v, bool):
+        return False
+    return v == -1 if num_tokens == 0 else 0 <= v < 2**32
 
 
 def out_of_vocab(where: object, top: int, vocab_size: int, data_vocab: int | None) -> DataError:
