@@ -88,12 +88,17 @@ def _require_one_source(path: Path, runtime: Runtime) -> None:
     """Every rank resolved the same checkpoint: a run folder's latest one, looked up by each rank on its own, may
     move on between the ranks' lookups (a run still saving), and replicas starting from different weights would
     never agree again. Compared by step (one all-reduce of the step and its square)."""
-    step = float(step_of(path) if step_of(path) is not None else -1)
-    total, squares, ranks = runtime.all_reduce_sum(
-        torch.tensor([step, step * step, 1.0], dtype=torch.float64, device=runtime.device)).tolist()
-    if squares * ranks != total * total:
+    if not ranks_agree_on(float(step_of(path) if step_of(path) is not None else -1), runtime):
         raise ConfigError(f"train.init_from: the ranks resolved different checkpoints of {path.parent} (this rank: "
                           f"{path.name}; a run still saving?); give train.init_from one checkpoint folder")
+
+
+def ranks_agree_on(value: float, runtime: Runtime) -> bool:
+    """Whether every rank passed the same value (an integer-valued float: a step); every rank calls it. One
+    all-reduce of the value, its square and a count: they agree exactly when sum(v)^2 == n * sum(v^2)."""
+    total, squares, ranks = runtime.all_reduce_sum(
+        torch.tensor([value, value * value, 1.0], dtype=torch.float64, device=runtime.device)).tolist()
+    return squares * ranks == total * total
 
 
 def _master_of(name: str) -> str | None:

@@ -17,7 +17,7 @@ from moe_train.config import Config, ConfigError, validate
 from moe_train.data import DataError, WindowSampler, eval_windows, open_data
 from moe_train.model import Transformer, count_params, flops_per_token
 from moe_train.model.router import refuse_a_router_the_loss_cannot_train
-from moe_ckpt import AsyncCheckpointer, capture_rng_state, restore_rng_state, step_of
+from moe_ckpt import AsyncCheckpointer, capture_rng_state, fail_together, restore_rng_state, step_of
 from moe_train.trainer import checkpoint as ckpt
 from moe_train.trainer.ctrl_c import CtrlCWatch, stop_description
 from moe_train.trainer.data_setup import check_embedded_corpus_settings, resolve_data_dir
@@ -29,7 +29,7 @@ from moe_train.trainer.runtime import Runtime, StepResult
 from moe_train.trainer.launch import make_runtime
 from moe_train.trainer.schedule import schedule_change, train_lr_at
 from moe_train.trainer.errors import TrainingError
-from moe_train.trainer.init_from import check_init_source, load_initial_weights
+from moe_train.trainer.init_from import check_init_source, load_initial_weights, ranks_agree_on
 
 
 def pick_device(name: str) -> torch.device:
@@ -61,19 +61,14 @@ class Trainer:
             rt = self.runtime
             self.device = rt.device
             self.is_main = rt.rank == 0
-            data_dir = resolve_data_dir(cfg.data, self.is_main)
-            rt.barrier()
-            self.meta, splits = open_data(data_dir, cfg.model.vocab_size)
-            vocab = cfg.model.vocab_size
-            self.sampler = WindowSampler(splits["train"].tokens, cfg.data.seq_len, cfg.data.seed, vocab_size=vocab)
-            self.eval_data = eval_windows(splits["eval"].tokens, cfg.data.seq_len, t.eval_windows,
-                                          t.micro_batch_size, vocab_size=vocab)
-            # eval_windows' upper bound
-            self.eval_split_windows = (splits["eval"].tokens.size - 1) // cfg.data.seq_len
-            if t.eval_interval > 0 and not self.eval_data:
-                raise DataError(f"{data_dir}: the eval split has {splits['eval'].tokens.size} tokens, fewer than "
-                                f"one window of data.seq_len+1={cfg.data.seq_len + 1}; prepare more data, shorten "
-                                "data.seq_len, or set train.eval_interval=0")
+            data_dir = resolve_data_dir(cfg.data, is_main=False)
+            # rank 0 prepares the embedded corpus on first use; the others wait here, and stop with it if it fails
+            self._checked_on_rank0(lambda: resolve_data_dir(cfg.data, is_main=True), DataError(
+                f"rank 0 could not prepare the embedded corpus in {data_dir} (its error says why)"))
+            # each rank reads the data folder as its host sees it (a local copy per host, say): one rank's refusal
+            # stops every rank, not that rank alone while the others wait in the next collective
+            fail_together(lambda: self._open_data(data_dir), rt.rank, rt.world_size,
+                          lambda flags: rt.all_reduce_sum(flags.to(self.device)).cpu(), f"opening data.path={data_dir}")
             if self.device.type == "cpu" and t.seed >= 2**32 and self.is_main:
                 warnings.warn(f"train.seed={t.seed}: torch's CPU generator keeps the low 32 bits of a seed, so on "
                               f"the CPU this run initialises as train.seed={t.seed % 2**32} does", stacklevel=2)
@@ -105,6 +100,21 @@ class Trainer:
             self._close_runtime(e)
             raise
 
+    def _open_data(self, data_dir: Path) -> None:
+        """The training sampler and the eval windows from `data_dir`, every token id checked against the model's."""
+        cfg, t = self.cfg, self.cfg.train
+        self.meta, splits = open_data(data_dir, cfg.model.vocab_size)
+        vocab = cfg.model.vocab_size
+        self.sampler = WindowSampler(splits["train"].tokens, cfg.data.seq_len, cfg.data.seed, vocab_size=vocab)
+        self.eval_data = eval_windows(splits["eval"].tokens, cfg.data.seq_len, t.eval_windows,
+                                      t.micro_batch_size, vocab_size=vocab)
+        # eval_windows' upper bound
+        self.eval_split_windows = (splits["eval"].tokens.size - 1) // cfg.data.seq_len
+        if t.eval_interval > 0 and not self.eval_data:
+            raise DataError(f"{data_dir}: the eval split has {splits['eval'].tokens.size} tokens, fewer than "
+                            f"one window of data.seq_len+1={cfg.data.seq_len + 1}; prepare more data, shorten "
+                            "data.seq_len, or set train.eval_interval=0")
+
     def _lock_run_dir(self) -> None:
         """Rank 0 takes the run folder's lock (one job per run folder) and checks that the folder, and its
         checkpoints/ when the run saves, take new files: every rank raises if it cannot, before the first step
@@ -117,20 +127,31 @@ class Trainer:
             f"train.run_dir={self.cfg.train.run_dir!r} is in use by another job or cannot be written (rank 0 could "
             "not lock it or write in it; its error says which)"))
 
-    def _checked_on_rank0(self, check: Callable[[], None], on_other_ranks: ConfigError) -> None:
-        """Rank 0 runs `check` (the run folder is rank 0's to judge); its ConfigError is raised there and
-        `on_other_ranks` everywhere else, so every rank stops together (one all-reduce)."""
-        refused: ConfigError | None = None
+    def _checked_on_rank0(self, check: Callable[[], None], on_other_ranks: Exception) -> None:
+        """Rank 0 runs `check` (the run folder and its log are rank 0's); its error, whatever its type, is raised
+        there and `on_other_ranks` everywhere else, so every rank stops together (one all-reduce). Any type: a
+        NotADirectoryError from the lock, or an ENOSPC from a metrics.jsonl write, raised on rank 0 alone left the
+        others waiting in their next collective (gloo: "Connection closed by peer"; NCCL: the collective timeout)."""
+        refused: Exception | None = None
         if self.is_main:
             try:
                 check()
-            except ConfigError as e:
+            except Exception as e:  # noqa: BLE001 - shared below, then raised
                 refused = e
         flag = self.runtime.all_reduce_sum(torch.tensor([float(refused is not None)], device=self.device))
-        if refused is not None:
-            raise refused
+        try:
+            if refused is not None:
+                raise refused
+        finally:
+            del refused  # its traceback holds this frame: no cycle keeping the error (and the runtime) alive
         if flag.item() > 0:
             raise on_other_ranks
+
+    def _log(self, record: dict[str, Any]) -> None:
+        """Every rank calls this: rank 0 appends `record` to metrics.jsonl; if that fails (a full disk), every
+        rank stops, the others with a TrainingError naming rank 0's write."""
+        self._checked_on_rank0(lambda: self.log.write(record), TrainingError(
+            f"rank 0 could not write {self.log.path} (its error says why); stopped with it"))
 
     def _close_runtime(self, e: BaseException) -> None:
         """Close the runtime after `e` (the error to report): a failure to close becomes a note on e."""
@@ -266,6 +287,27 @@ class Trainer:
         """The checkpoint this run resumes from (None: it starts at step 0), after the checks that refuse
         to start: a checkpoint of another model (or sequence length), and checkpoint folders past the
         step this run starts from (it would have to write over them). Reads metadata only."""
+        rt = self.runtime
+        # Each rank checks the run folder as its host sees it: a check that fails on one rank (a file read it alone
+        # failed) stops every rank, and ranks that found different checkpoints (a file system that shows another
+        # host's newest folder late) are refused, instead of some resuming from one step and some from another.
+        path = fail_together(self._local_resume_point, rt.rank, rt.world_size,
+                             lambda flags: rt.all_reduce_sum(flags.to(self.device)).cpu(),
+                             f"the resume checks of train.run_dir={self.cfg.train.run_dir!r}")
+        if not ranks_agree_on(float(step_of(path)) if path is not None else -1.0, rt):
+            raise ConfigError(f"train.run_dir={self.cfg.train.run_dir!r}: the ranks found different checkpoints to "
+                              f"resume from (this rank: {path.name if path is not None else 'none, a start from step 0'}"
+                              "); a file system that shows the hosts different folders? Resume when every host sees "
+                              "the same checkpoints/")
+        if path is None:  # its log's step records go: refused when they are an earlier run's history
+            self._checked_on_rank0(
+                lambda: check_fresh_start_loses_no_history(self.run_dir, self.cfg.train.resume),
+                ConfigError(f"train.run_dir={self.cfg.train.run_dir!r}: rank 0 refused to start over its metrics.jsonl "
+                            "(its error says why)"))
+        return path
+
+    def _local_resume_point(self) -> Path | None:
+        """resume_point's checks as this rank sees the run folder."""
         path = ckpt.latest(self.run_dir) if self.cfg.train.resume else None
         if path is None:
             ckpt.check_not_an_import(self.run_dir)
@@ -284,11 +326,6 @@ class Trainer:
             ckpt.check_not_past_the_end(path, self.cfg.train.steps)
         if self.cfg.train.save_interval > 0:  # a run that saves nothing writes over nothing
             ckpt.check_no_checkpoints_after(self.run_dir, step_of(path) if path else 0, self.cfg.train.resume)
-        if path is None:  # its log's step records go: refused when they are an earlier run's history
-            self._checked_on_rank0(
-                lambda: check_fresh_start_loses_no_history(self.run_dir, self.cfg.train.resume),
-                ConfigError(f"train.run_dir={self.cfg.train.run_dir!r}: rank 0 refused to start over its metrics.jsonl "
-                            "(its error says why)"))
         return path
 
     def restore(self, path: Path) -> None:
@@ -341,7 +378,7 @@ class Trainer:
         resumed = resume_from is not None
         counts = count_params(self.cfg.model)
         init_from = None if resumed else self.init_source
-        self.log.write({"event": "start", "resumed_from_step": step_of(resume_from) if resumed else None,
+        self._log({"event": "start", "resumed_from_step": step_of(resume_from) if resumed else None,
                         "init_from": str(init_from) if init_from is not None else None,
                         "params_total": counts.total, "params_active": counts.active,
                         "flops_per_token": self.flops_per_token, "world_size": rt.world_size,
@@ -353,10 +390,11 @@ class Trainer:
                 load_initial_weights(init_from, rt, self.model)
                 if self.is_main and t.progress:
                     print(f"initialised from {init_from}", flush=True)
+            # step records this run writes again: past the checkpoint (from a run that died after
+            # it), or all of them on a fresh start (a run that died before its first checkpoint)
+            self._checked_on_rank0(lambda: self.log.rewind(self.step if resumed else -1), TrainingError(
+                f"rank 0 could not rewrite {self.log.path} (its error says why); stopped with it"))
             if self.is_main:
-                # step records this run writes again: past the checkpoint (from a run that died after
-                # it), or all of them on a fresh start (a run that died before its first checkpoint)
-                self.log.rewind(self.step if resumed else -1)
                 if resumed and t.progress:
                     print(f"resumed from {resume_from} at step {self.step} of {t.steps}", flush=True)
                 if self.step >= t.steps:  # the summary then has no loss: say why, with or without a progress bar
@@ -398,7 +436,7 @@ class Trainer:
         t, rt = self.cfg.train, self.runtime
         if not resumed and t.eval_interval > 0:
             self.first_eval_loss = self.last_eval_loss = self.evaluate()
-            self.log.write({"step": 0, "eval_loss": self.first_eval_loss})
+            self._log({"step": 0, "eval_loss": self.first_eval_loss})
         tokens_per_step = t.micro_batch_size * t.grad_accum * rt.dp_size * self.cfg.data.seq_len
         bar = tqdm(total=t.steps, initial=self.step, disable=not (self.is_main and t.progress), unit="step",
                    dynamic_ncols=True, mininterval=1.0)
@@ -416,7 +454,7 @@ class Trainer:
                     torch.cuda.synchronize()
                 elapsed = time.perf_counter() - window_start - paused
                 record.update(self._window_metrics(window_tokens, elapsed))
-                self.log.write(record)
+                self._log(record)
                 post = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
                 if "mfu" in record:
                     post["mfu"] = f"{record['mfu']:.1%}"
@@ -425,7 +463,7 @@ class Trainer:
             if t.eval_interval > 0 and (self.step % t.eval_interval == 0 or self.step == t.steps):
                 started = time.perf_counter()
                 self.last_eval_loss = self.evaluate()
-                self.log.write({"step": self.step, "eval_loss": self.last_eval_loss})
+                self._log({"step": self.step, "eval_loss": self.last_eval_loss})
                 if self.is_main and t.progress:
                     bar.write(f"step {self.step}: eval loss {self.last_eval_loss:.4f}")
                 paused += time.perf_counter() - started
