@@ -133,14 +133,21 @@ def test_a_source_holding_nan_is_refused_naming_the_tensor(source, tmp_path, dat
         Trainer(w.config(tmp_path / "b", str(data_dir), str(tmp_path / "imported"))).train()
 
 
-@pytest.mark.parametrize("param_dtype", ["fp32", "bf16"])
-def test_a_dp2_ep2_run_starts_from_a_one_process_checkpoint(param_dtype, source, tmp_path, data_dir):
-    """Each rank reads only its regions: its experts, its part of the sharded fp32 masters. With bf16 resident
-    weights, the masters still get the fp32 values."""
+@pytest.mark.parametrize("param_dtype,kind", [("fp32", "import-hf output"), ("bf16", "run folder")])
+def test_a_dp2_ep2_run_starts_from_a_one_process_checkpoint(param_dtype, kind, source, tmp_path, data_dir):
+    """Each rank takes only its regions: its experts, its part of the sharded fp32 masters (from a trainer
+    checkpoint it reads only those; an import-hf output's tensors are read whole, once for weight and master).
+    With bf16 resident weights, the masters still get the fp32 values."""
     src, weights = source
+    if kind == "import-hf output":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # no tokenizer found for the test data folder
+            export_hf(src, tmp_path / "hf", dtype="fp32")
+        import_hf(tmp_path / "hf", tmp_path / "imported")
+    given = tmp_path / "imported" if kind == "import-hf output" else src
     root = tmp_path / "ranks"
     root.mkdir()
-    mp.spawn(h.run_guarded, args=(w.train_two_ranks, str(root), h.free_port(), str(root), str(data_dir), str(src),
+    mp.spawn(h.run_guarded, args=(w.train_two_ranks, str(root), h.free_port(), str(root), str(data_dir), str(given),
                                   param_dtype), nprocs=2, join=True)
     results = h.load_results(root, 2)
     masters_seen = 0

@@ -118,24 +118,31 @@ def _stored_name(name: str, params: set[str], saved: dict[str, dict]) -> str:
 
 
 def _read_whole_tensors(path: Path, weights: dict[str, CheckpointShard]) -> dict[str, torch.Tensor]:
-    """An import-hf output (one model.safetensors by our names): each tensor read whole, then this rank's region."""
+    """An import-hf output (one model.safetensors by our names): each tensor read whole once (for the weight and
+    its master alike), then copies of this rank's regions, so only one whole tensor is held at a time."""
     from moe_train.hf_bridge import open_checkpoint_source
 
+    wanted_of: dict[str, list[tuple[str, CheckpointShard]]] = {}
+    for name, s in weights.items():
+        wanted_of.setdefault(_master_of(name) or name, []).append((name, s))
     out: dict[str, torch.Tensor] = {}
     with open_checkpoint_source(path) as (_, source):
-        for name, s in weights.items():
-            weight = _master_of(name) or name
+        for weight, wanted in wanted_of.items():
             try:
                 t = source(weight)
             except Exception as e:  # noqa: BLE001 - named below
                 raise CheckpointError(f"{path}: cannot read tensor {weight!r} ({type(e).__name__}: {e})") from None
-            if tuple(t.shape) != s.global_shape:
+            shape = wanted[0][1].global_shape
+            if tuple(t.shape) != shape:
                 raise CheckpointError(f"{path}: tensor {weight!r} has shape {list(t.shape)}, expected "
-                                      f"{list(s.global_shape)} for this run's model")
+                                      f"{list(shape)} for this run's model")
             bad = int((~torch.isfinite(t)).sum())
             if bad:
                 raise CheckpointError(f"{path}: tensor {weight!r} holds {bad} NaN / Inf values: expected finite weights")
-            out[name] = _region_of(t.float(), s.slice)
+            t = t.float()
+            for name, s in wanted:
+                out[name] = _region_of(t, s.slice).clone()  # a copy: a view would keep the whole tensor alive
+            del t
     return out
 
 
