@@ -353,13 +353,19 @@ def _is_param_step(name: str) -> bool:
     return name.startswith("optim.") and name.endswith(".step") and name != "optim.step"
 
 
+def master_of(name: str) -> str | None:
+    """X for a master weight's shard name optim.X.master, else None."""
+    if name.startswith("optim.") and name.endswith(".master"):
+        return name[len("optim."):-len(".master")]
+    return None
+
+
 def _stored_name(name: str, saved: dict[str, dict], one_step_count: bool) -> str:
     """The saved tensor holding `name`: itself; for a master saved once as its fp32 weight, the weight; for a
     parameter's step count in a checkpoint with one count for all (one_step_count: moe-train <= 0.5), optim.step."""
-    if name not in saved and name.startswith("optim.") and name.endswith(".master"):
-        weight = name[len("optim."):-len(".master")]
-        if saved.get(weight, {}).get("dtype") == "float32":
-            return weight
+    weight = master_of(name)
+    if name not in saved and weight is not None and saved.get(weight, {}).get("dtype") == "float32":
+        return weight
     if one_step_count and _is_param_step(name):
         return "optim.step"
     return name  # a name the checkpoint lacks is reported by load_checkpoint

@@ -64,7 +64,8 @@ def load_initial_weights(path: Path, runtime: Runtime, model: nn.Module) -> None
     (check_init_source's), the optimizer state with zeros. If any rank's read fails, every rank raises."""
     _require_one_source(path, runtime)
     shards = ckpt.all_shards(runtime, model)
-    weights = {s.global_name: s for s in shards if not s.global_name.startswith("optim.") or _master_of(s.global_name)}
+    weights = {s.global_name: s for s in shards
+               if not s.global_name.startswith("optim.") or ckpt.master_of(s.global_name)}
     params = {name for name, _ in model.named_parameters()}
 
     def read() -> dict[str, torch.Tensor]:
@@ -101,17 +102,10 @@ def ranks_agree_on(value: float, runtime: Runtime) -> bool:
     return squares * ranks == total * total
 
 
-def _master_of(name: str) -> str | None:
-    """X for optim.X.master, else None."""
-    if name.startswith("optim.") and name.endswith(".master"):
-        return name[len("optim."):-len(".master")]
-    return None
-
-
 def _stored_name(name: str, params: set[str], saved: dict[str, dict]) -> str:
     """The saved tensor to take `name` (a weight, its master, or a buffer) from: a weight's fp32 master when the
     checkpoint has one (a bf16-resident run saves the weight in bf16), else the weight itself."""
-    weight = _master_of(name) or name
+    weight = ckpt.master_of(name) or name
     if weight in params and f"optim.{weight}.master" in saved:
         return f"optim.{weight}.master"
     return weight
@@ -124,7 +118,7 @@ def _read_whole_tensors(path: Path, weights: dict[str, CheckpointShard]) -> dict
 
     wanted_of: dict[str, list[tuple[str, CheckpointShard]]] = {}
     for name, s in weights.items():
-        wanted_of.setdefault(_master_of(name) or name, []).append((name, s))
+        wanted_of.setdefault(ckpt.master_of(name) or name, []).append((name, s))
     out: dict[str, torch.Tensor] = {}
     with open_checkpoint_source(path) as (_, source):
         for weight, wanted in wanted_of.items():
