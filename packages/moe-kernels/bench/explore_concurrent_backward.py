@@ -8,7 +8,11 @@ interleaved rounds (explore_common). Outputs of both orders are compared bit for
 Then the whole block forward+backward (swiglu_ffn_routed) with the plan results/h200_moe_block.json recorded for
 that shape, wgrad_stream "same" against "side".
 
-GPU:  source tools/gpu_env.sh; python3 packages/moe-kernels/bench/explore_concurrent_backward.py OUT.json
+The block rows need `BlockPlan.wgrad_stream`, which moe-kernels had only at commit 7ad25cb: the measurement
+(results/h100_concurrent_backward_e128.json, bench/NOTES.md) found no gain, and the field was taken out again.
+The pair rows run on any commit.
+
+GPU:  source tools/gpu_env.sh; python3 packages/moe-kernels/bench/explore_concurrent_backward.py OUT.json [E ...]
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import torch
 
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -46,7 +51,8 @@ def pair(dgrad_args, wgrad_args, impl: str, side: torch.cuda.Stream | None):  # 
 def main() -> None:
     side = torch.cuda.Stream()
     results = []
-    for name, T, d, h, k, E, offs, g in routed_problems((8, 128)):
+    experts = tuple(int(e) for e in sys.argv[2:]) or (8, 128)  # OUT.json [E ...]
+    for name, T, d, h, k, E, offs, g in routed_problems(experts):
         n = T * k
         bf = dict(device="cuda", dtype=torch.bfloat16)
         xs, d_pre = torch.randn(n, d, **bf, generator=g), torch.randn(n, 2 * h, **bf, generator=g)
@@ -69,9 +75,11 @@ def main() -> None:
                            tflops={m: round(v, 1) for m, v in tflops.items()})
                 print(row, flush=True)
                 results.append(row)
+        del xs, d_pre, act, dy, w1, w2, pairs, seq, conc, methods  # room for the block's tensors (H100)
+        torch.cuda.empty_cache()
         results.append(block_row(name, T, d, h, k, E, g))
         print(results[-1], flush=True)
-    write_report(results, "explore_concurrent_backward.py")
+        write_report(results, "explore_concurrent_backward.py")  # after every shape: a later failure keeps these
 
 
 def block_row(name: str, T: int, d: int, h: int, k: int, E: int, g: torch.Generator) -> dict:

@@ -12,16 +12,13 @@ A `BlockPlan` says how each GEMM runs: on our Triton kernels (fwd1 with SwiGLU i
 epilogue, reading x through the gather in its A-load or the permuted rows through tensor
 descriptors; dgrad2 with SwiGLU' in its epilogue; or plain GEMMs
 followed by one elementwise SwiGLU pass) or on torch grouped_mm (cuBLAS/CUTLASS), which
-needs the rows permuted first; and whether each weight gradient runs on a side stream beside the
-data gradient it does not depend on (wgrad2 beside dgrad2, wgrad1 beside dgrad1), so that one
-launch's last wave shares the GPU with the other instead of leaving SMs idle. The routing weight is applied in the combine rather than in
+needs the rows permuted first. The routing weight is applied in the combine rather than in
 fwd2's epilogue: the combine reads y anyway, and backward needs the unweighted y for the
 router-weight gradient. Without routing (`dest_row is None`) the rows are already in expert order.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -36,7 +33,6 @@ PLAN_OPTIONS: dict[str, tuple[str, ...]] = {
     "fwd1": ("fused", "triton", "grouped_mm"), "fwd2": ("triton", "grouped_mm"),
     "dgrad2": ("fused", "triton", "grouped_mm"), "wgrad2": ("triton", "grouped_mm"),
     "dgrad1": ("triton", "grouped_mm"), "wgrad1": ("triton", "grouped_mm"),
-    "wgrad_stream": ("same",),  # "side" joins the search once it has run on a GPU (explore_concurrent_backward.py)
 }
 
 
@@ -46,9 +42,7 @@ class BlockPlan:
     SwiGLU epilogue; dgrad2: SwiGLU' epilogue); "triton": our Triton grouped GEMM without the
     gather (fwd1: on the permuted rows, read through tensor descriptors, with the SwiGLU
     epilogue; elsewhere plus an elementwise SwiGLU pass where one is due); "grouped_mm": torch
-    grouped_mm. wgrad_stream: "side" runs the weight gradients on a second CUDA stream beside
-    the data gradients (same kernels, same results bit for bit); "same" keeps one stream. Off a
-    GPU both are one stream."""
+    grouped_mm."""
 
     fwd1: Literal["fused", "triton", "grouped_mm"] = "fused"
     fwd2: Literal["triton", "grouped_mm"] = "triton"
@@ -56,7 +50,6 @@ class BlockPlan:
     wgrad2: Literal["triton", "grouped_mm"] = "triton"
     dgrad1: Literal["triton", "grouped_mm"] = "triton"
     wgrad1: Literal["triton", "grouped_mm"] = "triton"
-    wgrad_stream: Literal["same", "side"] = "same"
 
     def __post_init__(self):
         for f in fields(self):
@@ -73,35 +66,6 @@ class BlockPlan:
 
 ALL_TRITON = BlockPlan()
 ALL_GROUPED_MM = BlockPlan("grouped_mm", "grouped_mm", "grouped_mm", "grouped_mm", "grouped_mm", "grouped_mm")
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-class _WgradStream:
-    """Where the block's backward runs its weight gradients: `beside()` forks a side stream off the current one
-    (the side waits for everything queued so far), `join()` makes the current stream wait for the side and marks
-    the side's outputs as used there. One stream off a GPU or with plan.wgrad_stream="same"."""
-
-    def __init__(self, plan: BlockPlan, device: torch.device):
-        self.side = None
-        if plan.wgrad_stream == "side" and device.type == "cuda":
-            self.main = torch.cuda.current_stream(device)
-            self.side = _SIDE_STREAMS.get(device)
-            if self.side is None:
-                self.side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-
-    def beside(self):
-        if self.side is None:
-            return nullcontext()
-        self.side.wait_stream(self.main)
-        return torch.cuda.stream(self.side)
-
-    def join(self, *outputs: torch.Tensor | None) -> None:
-        if self.side is None:
-            return
-        self.main.wait_stream(self.side)
-        for t in outputs:
-            if t is not None:
-                t.record_stream(self.main)  # made on the side, used and freed in the main stream's order
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, impl: str) -> torch.Tensor:
@@ -158,29 +122,22 @@ class SwigluFFNFn(torch.autograd.Function):
         else:
             dy = g
         h = w2.shape[1]
-        streams = _WgradStream(plan, dy.device)
-        gw2 = None
-        if ctx.needs_input_grad[3]:
-            with streams.beside():  # needs dy only: beside dgrad2
-                gw2 = wgrad(act, dy, offsets, w2.shape[0], plan.wgrad2, w2.dtype)
         if plan.dgrad2 == "fused":
             d_pre = torch.empty_like(pre)
             grouped_gemm_launch(dy, w2.transpose(1, 2), offsets, out_cols=h, c=d_pre, epilogue=2, aux=pre, swiglu_h=h)
         else:
             d_pre = swiglu_backward(gemm(dy, w2.transpose(1, 2), offsets, plan.dgrad2), pre)
-        gw1 = None
-        if ctx.needs_input_grad[2]:
-            with streams.beside():  # needs d_pre: beside dgrad1
-                if xs is not None:
-                    gw1 = wgrad(xs, d_pre, offsets, w1.shape[0], plan.wgrad1, w1.dtype)
-                else:  # the gather fused into the A-load
-                    gw1 = grouped_wgrad_launch(x, d_pre, offsets, w1.shape[0], gather=sort_order, top_k=k,
-                                               out_dtype=w1.dtype)
+        gw2 = wgrad(act, dy, offsets, w2.shape[0], plan.wgrad2, w2.dtype) if ctx.needs_input_grad[3] else None
         gx = None
         if ctx.needs_input_grad[0]:
             dxs = gemm(d_pre, w1.transpose(1, 2), offsets, plan.dgrad1)
             gx = gather_sum(dxs, dest_row, k) if routed else dxs
-        streams.join(gw1, gw2)
+        gw1 = None
+        if ctx.needs_input_grad[2]:
+            if xs is not None:
+                gw1 = wgrad(xs, d_pre, offsets, w1.shape[0], plan.wgrad1, w1.dtype)
+            else:  # the gather fused into the A-load
+                gw1 = grouped_wgrad_launch(x, d_pre, offsets, w1.shape[0], gather=sort_order, top_k=k, out_dtype=w1.dtype)
         return gx, gw, gw1, gw2, None, None, None, None, None
 
 
