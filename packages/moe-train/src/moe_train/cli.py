@@ -123,12 +123,19 @@ SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10
 
 
 def _byte_size(text: str) -> int:
-    """A size in bytes: an integer, optionally with a unit (5GB as transformers' max_shard_size, 2GiB, 500MB)."""
+    """A size in bytes: an integer, optionally with a unit (5GB as transformers' max_shard_size, 2GiB, 500MB).
+    KB / MB / GB ending in a lowercase b are refused: transformers reads 500mb as bits (62.5 MB)."""
     number = text.strip().rstrip("BbIiKkMmGg")
-    unit = text.strip()[len(number):].upper()
+    given_unit = text.strip()[len(number):]
+    unit = given_unit.upper()
     if not number.isdecimal() or not number.isascii() or unit not in SIZE_UNITS or int(number) * SIZE_UNITS[unit] < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a size >= 1 byte, an integer with an optional unit "
                                          "(B, KB, MB, GB, KiB, MiB, GiB), e.g. 5GB")
+    if unit in ("KB", "MB", "GB") and given_unit.endswith("b"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a unit ending in a lowercase b is read as bits by transformers' max_shard_size "
+            f"({int(number) * SIZE_UNITS[unit] // 8} bytes) and as bytes by most people; write {number}{unit} for "
+            f"{int(number) * SIZE_UNITS[unit]} bytes")
     return int(number) * SIZE_UNITS[unit]
 
 
@@ -150,12 +157,14 @@ def _parser() -> _Parser:
             s.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (default 2)")
             s.add_argument("--out", type=_path, default=None, help="also write the JSON here")
     s = sub.add_parser("export-hf", help="export a checkpoint to a Hugging Face folder that stock transformers loads")
-    s.add_argument("checkpoint", type=_path, help="a run folder (its latest checkpoint) or a checkpoint folder")
+    s.add_argument("checkpoint", type=_path,
+                   help="a run folder or its checkpoints/ folder (the latest checkpoint), or a checkpoint folder")
     s.add_argument("out", type=_path, help="the Hugging Face folder to write (new, or an earlier export)")
     s.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
                    help="of the exported weights (default bf16)")
     s.add_argument("--max-shard-bytes", type=_byte_size, default=None, metavar="SIZE",
-                   help="largest safetensors shard, e.g. 5GB or 2GiB (default 4GiB)")
+                   help="largest safetensors shard in bytes, e.g. 5GB or 2GiB (default 4GiB; 5gb is refused: "
+                        "transformers reads a lowercase b as bits)")
     s.add_argument("--push-to-hub", type=_repo, default=None, metavar="REPO",
                    help="also upload the folder to this Hub repo")
     s.add_argument("--allow-benchmark-routing", action="store_true",
@@ -286,9 +295,9 @@ def _existing_saved_run(given: str, expected: str):
 
 def _exported_checkpoint(given: str) -> str:
     """Which checkpoint export-hf reads from `given`: a run folder's latest (named, so an export says its step)."""
-    from moe_train.trainer.checkpoint import latest
+    from moe_train.trainer.checkpoint import newest_checkpoint
 
-    found = latest(given)
+    found = newest_checkpoint(given)
     return str(found) if found is not None else given
 
 

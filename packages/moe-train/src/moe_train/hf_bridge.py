@@ -50,8 +50,9 @@ def register_checkpoint_reader(reader: CheckpointReader) -> None:
 
 
 def _resolve_checkpoint(path: Path) -> Path:
-    """A run dir resolves to its newest complete checkpoint; anything else is taken as given."""
-    return ckpt.latest(path) or path
+    """A run dir (or its checkpoints/ folder) resolves to its newest complete checkpoint; anything else is taken
+    as given."""
+    return ckpt.newest_checkpoint(path) or path
 
 
 def _stored_config(path: Path, stored: dict[str, Any]) -> Config:

@@ -197,7 +197,8 @@ def _write_folder(out, plan, shard_of, n_shards, total, source, dtype, hf_config
                 _write_shard(out, pending, current, n_shards)
                 pending, current = {}, shard_of[k]
             target = torch.float32 if entry.keep_fp32 else TORCH_DTYPES[dtype]
-            pending[name] = _check_finite(t.detach().to("cpu", target).contiguous(), name, entry.ours)
+            pending[name] = _check_finite(t.detach().to("cpu", target).contiguous(), name, entry.ours,
+                                          halved_source=ours if entry.kind == "double" else None)
             weight_map[name] = _shard_name(current, n_shards)
             k += 1
         del ours
@@ -212,10 +213,17 @@ def _write_folder(out, plan, shard_of, n_shards, total, source, dtype, hf_config
     return len(weight_map)
 
 
-def _check_finite(t: torch.Tensor, name: str, ours: str | None) -> torch.Tensor:
-    """A NaN or Inf weight (or an fp32 value past the export dtype's range) gives NaN logits in transformers."""
+def _check_finite(t: torch.Tensor, name: str, ours: str | None, halved_source: torch.Tensor | None = None) -> torch.Tensor:
+    """A NaN or Inf weight (or an fp32 value past the export dtype's range) gives NaN logits in transformers.
+    halved_source: our tensor when the export stores it doubled (an ungated shared expert's down projection, whose
+    gate is pinned at 0.5), so a finite weight past half the dtype's range is named as such."""
     bad = ~torch.isfinite(t)
     if bool(bad.any()):
+        if halved_source is not None and bool(torch.isfinite(halved_source).all()):
+            raise HFConversionError(
+                f"tensor {ours} is exported doubled as {name} (the shared expert's gate is pinned at 0.5, so its down "
+                f"projection is stored x2), and {int(bad.sum())} of its {t.numel()} doubled values are beyond "
+                f"{t.dtype}'s range; export in bf16 or fp32, which hold them")
         raise HFConversionError(
             f"tensor {ours or name} (exported as {name}, {t.dtype}) holds {int(bad.sum())} NaN / Inf values of "
             f"{t.numel()}: expected finite weights (a diverged checkpoint, or values beyond {t.dtype}'s range); "

@@ -349,6 +349,13 @@ def latest(run_dir: str | Path) -> Path | None:
     return find_latest(root) if root.is_dir() else None
 
 
+def newest_checkpoint(path: str | Path) -> Path | None:
+    """What a source path given to export-hf or train.init_from reads: the newest complete checkpoint of a run
+    folder, or of a run's checkpoints/ folder given directly (as inspect takes it); None for anything else (a
+    checkpoint folder itself, an import-hf output), which is read as given."""
+    return latest(path) or find_latest(path)
+
+
 def _is_param_step(name: str) -> bool:
     return name.startswith("optim.") and name.endswith(".step") and name != "optim.step"
 

@@ -32,7 +32,7 @@ def check_init_source(cfg: Config) -> Path:
     if not source.exists():
         raise ConfigError(f"train.init_from={given!r} does not exist: expected a run folder, a checkpoint folder or "
                           "an import-hf output")
-    path = ckpt.latest(source) or source
+    path = ckpt.newest_checkpoint(source) or source
     try:
         stored = stored_config(path)
     except (CheckpointError, HFConversionError, ConfigError) as e:
