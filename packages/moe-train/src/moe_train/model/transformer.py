@@ -58,6 +58,9 @@ def _generator(seed: int, name: str, device: torch.device, expert: int | None = 
     return torch.Generator(device=device).manual_seed((seed * 0x9E3779B1 + key) % 2**63)
 
 
+IGNORED_TARGET = -100  # F.cross_entropy's default ignore_index, as transformers' labels use it
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None):
         """device="meta": shapes only, no memory and no initialisation; a runtime slices it for
@@ -134,7 +137,8 @@ class Transformer(nn.Module):
         padding or a prompt not to be trained on (all of a batch's: NaN, as torch gives, and the trainer skips the
         step). Any other target outside [0, vocab_size) is an error."""
         logits, aux = self(tokens)
-        ce = F.cross_entropy(logits.to(fp32_or_wider(logits.dtype)).reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        ce = F.cross_entropy(logits.to(fp32_or_wider(logits.dtype)).reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                             ignore_index=IGNORED_TARGET)
         return ce, aux
 
     def set_activation_checkpointing(self, mode: str) -> None:

@@ -17,6 +17,7 @@ from moe_train.config import Config, ConfigError, validate
 from moe_train.data import DataError, WindowSampler, eval_windows, open_data
 from moe_train.model import Transformer, count_params, flops_per_token
 from moe_train.model.router import refuse_a_router_the_loss_cannot_train
+from moe_train.model.transformer import IGNORED_TARGET
 from moe_ckpt import AsyncCheckpointer, capture_rng_state, fail_together, restore_rng_state, step_of
 from moe_train.trainer import checkpoint as ckpt
 from moe_train.trainer.ctrl_c import CtrlCWatch, stop_description
@@ -178,19 +179,23 @@ class Trainer:
         rt = self.runtime
         batches = self.eval_data
         rounds = -(-len(batches) // rt.dp_size)
-        total = torch.zeros(2, device=self.device)  # sum of batch-mean losses x windows, windows
+        total = torch.zeros(2, device=self.device)  # sum of batch-mean losses x scored targets, scored targets
         self.model.eval()
         for i in range(rounds):
             index = rt.dp_rank + i * rt.dp_size
             x, y = batches[index] if index < len(batches) else batches[rt.dp_rank % len(batches)]
+            y = y.to(self.device)
             with self._amp():
-                ce, _ = self.model.loss(x.to(self.device), y.to(self.device))
+                ce, _ = self.model.loss(x.to(self.device), y)
             if index < len(batches):
-                total[0] += ce.float() * x.shape[0]
-                total[1] += x.shape[0]
+                # weighted by the targets the batch scores (a -100 target is left out of ce's mean), so the result is
+                # the token-weighted mean whatever the batching; a batch of only -100 (ce NaN) adds nothing
+                scored = (y != IGNORED_TARGET).sum().float()
+                total[0] += torch.where(scored > 0, ce.float() * scored, 0.0)
+                total[1] += scored
         self.model.train()
         total = rt.all_reduce_sum(total).tolist()
-        return total[0] / max(1.0, total[1])
+        return total[0] / total[1] if total[1] else float("nan")
 
     def _train_step(self) -> dict[str, float]:
         t, rt = self.cfg.train, self.runtime
