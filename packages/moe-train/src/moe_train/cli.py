@@ -294,7 +294,8 @@ def _existing_saved_run(given: str, expected: str):
 
 
 def _exported_checkpoint(given: str) -> str:
-    """Which checkpoint export-hf reads from `given`: a run folder's latest (named, so an export says its step)."""
+    """Which checkpoint export-hf reads from `given`: a run folder's (or its checkpoints/ folder's) latest, named, so an
+    export says its step."""
     from moe_train.trainer.checkpoint import newest_checkpoint
 
     found = newest_checkpoint(given)
