@@ -86,6 +86,12 @@ class DataConfig:
     default_vocab_size: int = 4096  # BPE vocab trained for the embedded corpus
     default_max_bytes: int = 4_000_000  # how much of the embedded corpus to tokenize
 
+    @staticmethod
+    def default_vocab_size_for(model_vocab_size: int) -> int:
+        """The embedded corpus's BPE size by default for a model of this vocabulary: DataConfig's own, or the
+        model's where that is smaller (the BPE must not emit ids the model cannot embed)."""
+        return min(DataConfig.default_vocab_size, model_vocab_size)
+
 
 @dataclass
 class TrainConfig:

@@ -331,12 +331,14 @@ def _warn_of_corpus_fields_a_data_folder_ignores(cfg: Config, preset: Config) ->
     """A field of CORPUS_ONLY_FIELDS changed from the preset's value (in the file or on the command line) while
     data.path names a prepared folder is warned about: it is ignored. Not refused: a config file written from a whole
     config (`moe-train info`) holds every field, and one file may serve runs on either kind of data. A value equal
-    to DataConfig's own default is not warned about either: import-hf's config.json holds those (no preset's)."""
+    to DataConfig's own default is not warned about either: import-hf's config.json holds those (no preset's), with
+    default_vocab_size fitted to the model's vocabulary (DataConfig.default_vocab_size_for)."""
     if cfg.data.path == "default":
         return
+    own = {**dataclasses.asdict(DataConfig()), "default_vocab_size": DataConfig.default_vocab_size_for(cfg.model.vocab_size)}
     for name in CORPUS_ONLY_FIELDS:
         value = getattr(cfg.data, name)
-        if value not in (getattr(preset.data, name), getattr(DataConfig(), name)):
+        if value not in (getattr(preset.data, name), getattr(DataConfig(), name), own[name]):
             warnings.warn(f"data.{name}={value!r} is ignored: only the embedded corpus (data.path=default) reads it, "
                           f"and data.path={cfg.data.path!r} is a folder prepared by `moe-train prepare-data` (its "
                           "tokenizer, vocabulary and eval split were fixed there); drop it, or prepare the folder "

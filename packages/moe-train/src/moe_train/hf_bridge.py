@@ -30,7 +30,7 @@ from moe_ckpt.hf import (
     ExportSummary, HFConversionError, TensorSource, choose_model_type, export_hf_folder, open_hf_folder, open_safetensors,
     read_json_object, write_folder_whole,
 )
-from moe_train.config import Config, ConfigError
+from moe_train.config import Config, ConfigError, DataConfig
 from moe_train.config_io import config_from_dict, export_config_from_dict
 from moe_train.data.prepare import load_tokenizer
 from moe_train.model import Transformer
@@ -288,6 +288,8 @@ def import_hf(
     merged["model"].update({k: v for k, v in hf.model_config.items() if k != "router"})
     if router is not None:
         merged["model"]["router"] = router
+    if base is None:  # the embedded corpus must fit the model: `train --config OUT/config.json` runs on it as is
+        merged["data"]["default_vocab_size"] = DataConfig.default_vocab_size_for(merged["model"]["vocab_size"])
     cfg = config_from_dict(merged)
     state = dict(hf.tensors())
     if out_dir is not None:
