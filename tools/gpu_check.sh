@@ -2,7 +2,7 @@
 # One device call (each part fits the 10-minute limit). Results land in $OUT.
 # usage (on the GPU machine, repo root):  bash tools/gpu_check.sh COMMIT [kernels|tests|model]
 #   kernels (default): GPU tests (kernels + model), then the MoE block benchmark
-#   tests:             every test marked gpu in the workspace (97 at 16d5dcc, ~7.5 min on the H200)
+#   tests:             every test marked gpu in the workspace (112 at 712f6b4: 330 s on an H100, ~7.5 min for 97 on the H200)
 #   model:             training benches, fine-grained E=8/32/128, fp32 weights and bf16 resident
 #                      weights (distributed optimizer at world size 1), one optimizer step per micro-batch
 set -u
