@@ -335,10 +335,11 @@ def _warn_of_corpus_fields_a_data_folder_ignores(cfg: Config, preset: Config) ->
     default_vocab_size fitted to the model's vocabulary (DataConfig.default_vocab_size_for)."""
     if cfg.data.path == "default":
         return
-    own = {**dataclasses.asdict(DataConfig()), "default_vocab_size": DataConfig.default_vocab_size_for(cfg.model.vocab_size)}
+    fitted = DataConfig.default_vocab_size_for(cfg.model.vocab_size)
     for name in CORPUS_ONLY_FIELDS:
         value = getattr(cfg.data, name)
-        if value not in (getattr(preset.data, name), getattr(DataConfig(), name), own[name]):
+        if value not in (getattr(preset.data, name), getattr(DataConfig(), name)) and \
+                not (name == "default_vocab_size" and value == fitted):
             warnings.warn(f"data.{name}={value!r} is ignored: only the embedded corpus (data.path=default) reads it, "
                           f"and data.path={cfg.data.path!r} is a folder prepared by `moe-train prepare-data` (its "
                           "tokenizer, vocabulary and eval split were fixed there); drop it, or prepare the folder "

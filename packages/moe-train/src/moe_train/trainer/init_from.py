@@ -89,7 +89,8 @@ def _require_one_source(path: Path, runtime: Runtime) -> None:
     """Every rank resolved the same checkpoint: a run folder's latest one, looked up by each rank on its own, may
     move on between the ranks' lookups (a run still saving), and replicas starting from different weights would
     never agree again. Compared by step (one all-reduce of the step and its square)."""
-    if not ranks_agree_on(float(step_of(path) if step_of(path) is not None else -1), runtime):
+    step = step_of(path)
+    if not ranks_agree_on(float(step if step is not None else -1), runtime):
         raise ConfigError(f"train.init_from: the ranks resolved different checkpoints of {path.parent} (this rank: "
                           f"{path.name}; a run still saving?); give train.init_from one checkpoint folder")
 
