@@ -1,4 +1,5 @@
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -11,12 +12,20 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_parallel_harness import small_config  # noqa: E402,F401 - one definition: spawned workers import it there
 
 
-@pytest.fixture
-def data_dir(tmp_path):
+@pytest.fixture(scope="session")
+def _prepared_data(tmp_path_factory):
+    """The data folder `data_dir` copies: prepared once per session (a BPE trained on 200K characters of the
+    standard library, ~1 s), since prepare_data gives the same bytes every time."""
     from moe_train.data import prepare_data, stdlib_documents
 
     docs = list(stdlib_documents(200_000))
-    return prepare_data(docs, tmp_path / "data", vocab_size=512, source="stdlib-test")
+    return prepare_data(docs, tmp_path_factory.mktemp("prepared") / "data", vocab_size=512, source="stdlib-test")
+
+
+@pytest.fixture
+def data_dir(tmp_path, _prepared_data):
+    """A prepared data folder of this test's own (tmp_path / "data"): a test may change or damage it."""
+    return Path(shutil.copytree(_prepared_data, tmp_path / "data"))
 
 
 @pytest.fixture

@@ -161,7 +161,7 @@ def grouped_gemm(
     if triton:
         from moe_kernels.triton.grouped_gemm_kernels import GroupedGemmFn
 
-        return GroupedGemmFn.apply(x, w, offsets)
+        return GroupedGemmFn.apply(x.contiguous(), w, offsets)
     if backend == "reference":
         return _per_expert_loop(x, w, offsets)
     if backend == "torch":

@@ -24,9 +24,16 @@ from typing import Literal
 
 import torch
 
-from moe_kernels.triton import dense_rows, refuse_double_backward
+from moe_kernels.triton import dense_rows
 from moe_kernels.triton.grouped_gemm_kernels import grouped_gemm_launch, grouped_wgrad_launch
-from moe_kernels.triton.permute_kernels import combine_backward, gather_sum, scatter_rows
+from moe_kernels.triton.permute_kernels import (
+    combine_backward,
+    gather_sum,
+    refuse_forward_ad,
+    run_backward,
+    scatter_rows,
+    vmap_by_loop,
+)
 from moe_kernels.triton.swiglu_kernels import swiglu_backward, swiglu_forward
 
 PLAN_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -84,10 +91,13 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, num_experts: 
 
 
 class SwigluFFNFn(torch.autograd.Function):
+    """The block as one autograd op. Forward returns (out, xs, pre, act, y): the intermediates the
+    backward reads ride along as non-differentiable outputs (setup_context can only save what the
+    forward returns), None where they are an input or `out` itself; the wrappers below keep `out`."""
+
     @staticmethod
-    def forward(ctx, x, weights, w1, w2, offsets, sort_order, dest_row, top_k, plan):
-        """x: [T, d] (routed) or [N, d] (sorted rows); w1: [E, d, 2h]; w2: [E, h, d]."""
-        x = dense_rows(x)
+    def forward(x, weights, w1, w2, offsets, sort_order, dest_row, top_k, plan):
+        """x: [T, d] (routed) or [N, d] (sorted rows), row-major (`dense_rows`); w1: [E, d, 2h]; w2: [E, h, d]."""
         routed = dest_row is not None
         n_rows = sort_order.shape[0] if routed else x.shape[0]
         h = w2.shape[1]
@@ -104,51 +114,72 @@ class SwigluFFNFn(torch.autograd.Function):
             pre = gemm(xs, w1, offsets, "grouped_mm")
             act = swiglu_forward(pre)
         y = gemm(act, w2, offsets, plan.fwd2)
-        ctx.routed, ctx.top_k, ctx.plan = routed, top_k, plan
-        ctx.save_for_backward(x, xs, weights, w1, w2, offsets, sort_order, dest_row, pre, act, y)
         if routed:
-            return gather_sum(y, dest_row, top_k, weights)
-        return y
+            return gather_sum(y, dest_row, top_k, weights), xs, pre, act, y
+        return y, None, pre, act, None
 
     @staticmethod
-    def backward(ctx, g):
-        refuse_double_backward("SwigluFFNFn")
-        x, xs, weights, w1, w2, offsets, sort_order, dest_row, pre, act, y = ctx.saved_tensors
-        g = dense_rows(g)  # an empty g from out.sum() has stride 0, which grouped_mm refuses
-        routed, k, plan = ctx.routed, ctx.top_k, ctx.plan
-        gw = None
-        if routed:
-            dy, gw = combine_backward(g, y, dest_row, weights)
-        else:
-            dy = g
-        h = w2.shape[1]
-        if plan.dgrad2 == "fused":
-            d_pre = torch.empty_like(pre)
-            grouped_gemm_launch(dy, w2.transpose(1, 2), offsets, out_cols=h, c=d_pre, epilogue=2, aux=pre, swiglu_h=h)
-        else:
-            d_pre = swiglu_backward(gemm(dy, w2.transpose(1, 2), offsets, plan.dgrad2), pre)
-        gw2 = wgrad(act, dy, offsets, w2.shape[0], plan.wgrad2, w2.dtype) if ctx.needs_input_grad[3] else None
-        gx = None
-        if ctx.needs_input_grad[0]:
-            dxs = gemm(d_pre, w1.transpose(1, 2), offsets, plan.dgrad1)
-            gx = gather_sum(dxs, dest_row, k) if routed else dxs
-        gw1 = None
-        if ctx.needs_input_grad[2]:
-            if xs is not None:
-                gw1 = wgrad(xs, d_pre, offsets, w1.shape[0], plan.wgrad1, w1.dtype)
-            else:  # the gather fused into the A-load
-                gw1 = grouped_wgrad_launch(x, d_pre, offsets, w1.shape[0], gather=sort_order, top_k=k, out_dtype=w1.dtype)
-        return gx, gw, gw1, gw2, None, None, None, None, None
+    def setup_context(ctx, inputs, output):
+        refuse_forward_ad("SwigluFFNFn")
+        x, weights, w1, w2, offsets, sort_order, dest_row, top_k, plan = inputs
+        out, xs, pre, act, y = output
+        ctx.mark_non_differentiable(*[t for t in (xs, pre, act, y) if t is not None])
+        if not torch.compiler.is_compiling():  # torch.compile's graph has no zeros to skip (and refuses the call)
+            ctx.set_materialize_grads(False)  # else backward would get zero tensors the size of the intermediates
+        ctx.routed, ctx.top_k, ctx.plan = dest_row is not None, top_k, plan
+        if not ctx.routed:
+            xs, y = x, out
+        ctx.save_for_backward(x, xs, weights, w1, w2, offsets, sort_order, dest_row, pre, act, y)
+
+    @staticmethod
+    def backward(ctx, g, *intermediates):
+        if g is None:
+            return (None,) * 9
+        grads = run_backward("SwigluFFNFn", _ffn_backward, g, *ctx.saved_tensors, ctx.routed, ctx.top_k, ctx.plan,
+                             tuple(ctx.needs_input_grad[:4]))
+        return (*grads, None, None, None, None, None)
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return vmap_by_loop(info, in_dims, lambda x, *rest: SwigluFFNFn.apply(dense_rows(x), *rest), *args)
+
+
+def _ffn_backward(g, x, xs, weights, w1, w2, offsets, sort_order, dest_row, pre, act, y, routed, k, plan, needs):
+    """(gx, g_weights, g_w1, g_w2) of the block, the gradients `needs` asks for (g_weights when routed)."""
+    g = dense_rows(g)  # an empty g from out.sum() has stride 0, which grouped_mm refuses
+    gw = None
+    if routed:
+        dy, gw = combine_backward(g, y, dest_row, weights)
+    else:
+        dy = g
+    h = w2.shape[1]
+    if plan.dgrad2 == "fused":
+        d_pre = torch.empty_like(pre)
+        grouped_gemm_launch(dy, w2.transpose(1, 2), offsets, out_cols=h, c=d_pre, epilogue=2, aux=pre, swiglu_h=h)
+    else:
+        d_pre = swiglu_backward(gemm(dy, w2.transpose(1, 2), offsets, plan.dgrad2), pre)
+    gw2 = wgrad(act, dy, offsets, w2.shape[0], plan.wgrad2, w2.dtype) if needs[3] else None
+    gx = None
+    if needs[0]:
+        dxs = gemm(d_pre, w1.transpose(1, 2), offsets, plan.dgrad1)
+        gx = gather_sum(dxs, dest_row, k) if routed else dxs
+    gw1 = None
+    if needs[2]:
+        if xs is not None:
+            gw1 = wgrad(xs, d_pre, offsets, w1.shape[0], plan.wgrad1, w1.dtype)
+        else:  # the gather fused into the A-load
+            gw1 = grouped_wgrad_launch(x, d_pre, offsets, w1.shape[0], gather=sort_order, top_k=k, out_dtype=w1.dtype)
+    return gx, gw, gw1, gw2
 
 
 def swiglu_ffn_sorted(x_sorted, w_gate_up, w_down, offsets, plan: BlockPlan = ALL_TRITON):
     """x_sorted: [N, d] in expert order -> [N, d]."""
-    return SwigluFFNFn.apply(x_sorted, None, w_gate_up, w_down, offsets, None, None, 1, plan)
+    return SwigluFFNFn.apply(dense_rows(x_sorted), None, w_gate_up, w_down, offsets, None, None, 1, plan)[0]
 
 
 def swiglu_ffn_routed(x, weights, w_gate_up, w_down, offsets, sort_order, dest_row, plan: BlockPlan = ALL_TRITON):
     """x: [T, d], weights: [T, k] -> [T, d]: gather, expert SwiGLU FFN and weighted combine."""
-    return SwigluFFNFn.apply(x, weights, w_gate_up, w_down, offsets, sort_order, dest_row, weights.shape[1], plan)
+    return SwigluFFNFn.apply(dense_rows(x), weights, w_gate_up, w_down, offsets, sort_order, dest_row, weights.shape[1], plan)[0]
 
 
 def tune_block_plan(x, w1, w2, offsets, sort_order, dest_row, top_k) -> BlockPlan:

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels.triton import refuse_double_backward
 from moe_kernels.triton.gluon_wgrad import gluon_wgrad_launch, gluon_wgrad_supports
+from moe_kernels.triton.permute_kernels import refuse_forward_ad, run_backward, vmap_by_loop
 from moe_kernels.triton.tuning import pick_config, rows_bucket
 
 
@@ -408,20 +408,33 @@ class GroupedGemmFn(torch.autograd.Function):
     """x: [N, K] @ w: [E, K, M] per expert -> [N, M]; dgrad dy @ w^T, wgrad x^T @ dy over variable-length groups."""
 
     @staticmethod
-    def forward(ctx, x, w, offsets):
-        x = x.contiguous()
-        ctx.save_for_backward(x, w, offsets)
+    def forward(x, w, offsets):
+        """x: contiguous (the callers make it so, inside the graph: saving a copy made here would
+        need a second one in setup_context)."""
         return grouped_gemm_forward(x, w, offsets)
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        refuse_forward_ad("GroupedGemmFn")
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
     def backward(ctx, gy):
-        refuse_double_backward("GroupedGemmFn")
         x, w, offsets = ctx.saved_tensors
-        gy = gy.contiguous()
-        gx = gw = None
-        if ctx.needs_input_grad[0]:
-            gx = torch.empty_like(x)
-            grouped_gemm_launch(gy, w.transpose(1, 2), offsets, out_cols=x.shape[1], c=gx)
-        if ctx.needs_input_grad[1]:
-            gw = grouped_wgrad_launch(x, gy, offsets, w.shape[0], out_dtype=w.dtype)
-        return gx, gw, None
+        return run_backward("GroupedGemmFn", _grouped_gemm_backward, gy, x, w, offsets, tuple(ctx.needs_input_grad[:2]))
+
+    @staticmethod
+    def vmap(info, in_dims, x, w, offsets):
+        return vmap_by_loop(info, in_dims, lambda x, w, o: GroupedGemmFn.apply(x.contiguous(), w, o), x, w, offsets)
+
+
+def _grouped_gemm_backward(gy, x, w, offsets, needs):
+    """(gx, gw, None) for GroupedGemmFn, gradients only where `needs` asks."""
+    gy = gy.contiguous()
+    gx = gw = None
+    if needs[0]:
+        gx = torch.empty_like(x)
+        grouped_gemm_launch(gy, w.transpose(1, 2), offsets, out_cols=x.shape[1], c=gx)
+    if needs[1]:
+        gw = grouped_wgrad_launch(x, gy, offsets, w.shape[0], out_dtype=w.dtype)
+    return gx, gw, None

@@ -125,29 +125,149 @@ def combine_backward(g: torch.Tensor, y: torch.Tensor, dest_row: torch.Tensor, w
     return dy, gw
 
 
+def _second_derivative_error(op: str) -> RuntimeError:
+    return RuntimeError(
+        f"{op}: the triton backend's backward is not differentiable (a second derivative: create_graph=True, "
+        "nested torch.func.grad, hessian); backend='triton' cannot give one: use backend='reference' "
+        "(or 'torch') for higher-order gradients"
+    )
+
+
+def forward_ad_error(op: str) -> RuntimeError:
+    return RuntimeError(
+        f"{op}: forward-mode AD (torch.func.jvp, jacfwd, hessian) is not supported with backend='triton'; "
+        "use backend='torch' or 'reference' for that transform"
+    )
+
+
+def refuse_forward_ad(op: str) -> None:
+    """Called in the setup_context of every triton autograd Function: under torch.func's jvp transform
+    (jvp, jacfwd, hessian) raise the error naming the backend, where torch would only say that a jvp
+    staticmethod is missing. Not a jvp staticmethod that raises: torch.compile breaks the graph at
+    any Function that defines one."""
+    if torch.compiler.is_compiling() or not torch._C._are_functorch_transforms_active():
+        return
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+
+    if retrieve_current_functorch_interpreter().key() == TransformType.Jvp:
+        raise forward_ad_error(op)
+
+
+def _plain(t):
+    """The tensor a kernel can read: torch.func's gradient wrappers outlive their transform (a vjp_fn
+    called after torch.func.vjp returned holds dead ones), and only their inner tensor has storage."""
+    if isinstance(t, torch.Tensor):
+        return torch._C._functorch.unwrap_if_dead(t)
+    return t
+
+
+def in_func_transform(*tensors) -> bool:
+    """Whether a backward runs inside a torch.func transform (or on the tensors of one, such as a
+    vjp_fn's): its inputs are then functorch wrappers, which the kernels cannot read directly."""
+    if torch._C._are_functorch_transforms_active():
+        return True
+    return any(t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+
+
+def vmap_by_loop(info, in_dims, fn, *args):
+    """A vmap rule for the triton ops: one call of `fn` per sample, outputs stacked on dim 0 (None
+    outputs stay None). Index tensors are made contiguous per sample: the kernels read them flat."""
+    outs = []
+    for i in range(info.batch_size):
+        sample = []
+        for a, d in zip(args, in_dims):
+            if isinstance(a, torch.Tensor) and d is not None:  # a tuple argument's dims are a tuple of Nones
+                a = a.select(d, i)
+                a = a if a.is_floating_point() else a.contiguous()
+            sample.append(a)
+        outs.append(fn(*sample))
+    if not isinstance(outs[0], tuple):
+        return torch.stack(outs), 0
+    stacked = tuple(None if o[0] is None else torch.stack(list(o)) for o in zip(*outs))
+    return stacked, tuple(None if o is None else 0 for o in stacked)
+
+
+class KernelBackward(torch.autograd.Function):
+    """A triton backward run inside torch.func: `fn(*args)` on the tensors under functorch's wrappers,
+    as one op that vmap runs sample by sample (vmap of grad, jacrev). Differentiating it again
+    raises, so a second derivative is refused when it is asked for, not silently wrong; a plain
+    torch.func.grad / vjp builds the graph of its backward (create_graph=True) but never walks it."""
+
+    @staticmethod
+    def forward(fn, op, *args):
+        return fn(*[_plain(a) for a in args])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.op = inputs[1]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise _second_derivative_error(ctx.op)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise forward_ad_error(ctx.op)  # only ever applied inside torch.func: no torch.compile to spare
+
+    @staticmethod
+    def vmap(info, in_dims, fn, op, *args):
+        # per sample through apply: an autograd graph below the vmap gets the refusing node too
+        return vmap_by_loop(info, in_dims[2:], lambda *a: KernelBackward.apply(fn, op, *a), *args)
+
+
+def run_backward(op: str, fn, *args):
+    """A triton Function's backward: `fn(*args)` directly in eager autograd (refusing create_graph=True
+    there, as always), through KernelBackward inside torch.func."""
+    if not torch.compiler.is_compiling() and in_func_transform(*[a for a in args if isinstance(a, torch.Tensor)]):
+        return KernelBackward.apply(fn, op, *args)
+    refuse_double_backward(op)
+    return fn(*args)
+
+
 class PermuteFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dest_row, top_k):
-        ctx.save_for_backward(dest_row)
-        ctx.top_k = top_k
+    def forward(x, dest_row, top_k):
         return scatter_rows(x, dest_row, top_k)
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        refuse_forward_ad("PermuteFn")
+        _, dest_row, top_k = inputs
+        ctx.save_for_backward(dest_row)
+        ctx.top_k = top_k
+
+    @staticmethod
     def backward(ctx, g):
-        refuse_double_backward("PermuteFn")
         (dest_row,) = ctx.saved_tensors
-        return gather_sum(g, dest_row, ctx.top_k), None, None
+        (gx,) = run_backward("PermuteFn", _permute_backward, g, dest_row, ctx.top_k)
+        return gx, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, dest_row, top_k):
+        return vmap_by_loop(info, in_dims, PermuteFn.apply, x, dest_row, top_k)
+
+
+def _permute_backward(g, dest_row, top_k):
+    return (gather_sum(g, dest_row, top_k),)
 
 
 class CombineFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, dest_row, weights):
-        ctx.save_for_backward(y, dest_row, weights)
+    def forward(y, dest_row, weights):
         return gather_sum(y, dest_row, weights.shape[1], weights)
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        refuse_forward_ad("CombineFn")
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
     def backward(ctx, g):
-        refuse_double_backward("CombineFn")
         y, dest_row, weights = ctx.saved_tensors
-        dy, gw = combine_backward(g, y, dest_row, weights)
+        dy, gw = run_backward("CombineFn", combine_backward, g, y, dest_row, weights)
         return dy, None, gw
+
+    @staticmethod
+    def vmap(info, in_dims, y, dest_row, weights):
+        return vmap_by_loop(info, in_dims, CombineFn.apply, y, dest_row, weights)
