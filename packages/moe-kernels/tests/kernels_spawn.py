@@ -23,6 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# Ranks are forked from a server that has imported these once: a freshly spawned interpreter spends ~3 s of CPU
+# importing torch, on every rank of every multi-rank test (CI has 2 cores). What a rank needs travels as its
+# arguments: a forked rank does not see environment variables set in the test process after the server started.
+mp.set_forkserver_preload(["torch", "torch.distributed", "moe_kernels"])
+
 
 def spawn(test_file: str, world: int, out_dir: Path, deadline_s: float, *lead_args,
           entry: str = "_entry") -> list[tuple[dict, int | None, bool]]:
@@ -33,7 +38,7 @@ def spawn(test_file: str, world: int, out_dir: Path, deadline_s: float, *lead_ar
         port = s.getsockname()[1]
     sys.path.insert(0, str(Path(test_file).parent))
     target = getattr(importlib.import_module(Path(test_file).stem), entry)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
     procs = [ctx.Process(target=_rank_main, args=(target, *lead_args, r, port, str(out_dir))) for r in range(world)]
     for p in procs:
         p.start()

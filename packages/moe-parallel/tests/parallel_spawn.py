@@ -14,6 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# Ranks are forked from a server that has imported these once: a freshly spawned interpreter spends ~3 s of CPU
+# importing torch, on every rank of every multi-rank test (CI has 2 cores). What a rank needs travels as its
+# arguments: a forked rank does not see environment variables set in the test process after the server started.
+mp.set_forkserver_preload(["torch", "torch.distributed", "moe_kernels", "moe_parallel"])
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -39,9 +44,10 @@ def _rank_main(rank: int, worker: Callable, *args) -> None:
 
 
 def spawn_with_deadline(worker: Callable, args: tuple, nprocs: int, deadline_s: float) -> None:
-    """mp.spawn(worker, args) on nprocs ranks, each ending with release_process_groups(); pytest.fail, killing
+    """torch.multiprocessing.spawn(worker, args) on nprocs ranks (forkserver-started), each ending with release_process_groups(); pytest.fail, killing
     them, past deadline_s."""
-    context = mp.spawn(_rank_main, args=(worker, *args), nprocs=nprocs, join=False)
+    context = mp.start_processes(_rank_main, args=(worker, *args), nprocs=nprocs, join=False,
+                                 start_method="forkserver")
     deadline = time.monotonic() + deadline_s
     while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):
         if time.monotonic() >= deadline:

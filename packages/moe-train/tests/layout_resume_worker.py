@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 import test_parallel_harness as h
 from moe_train.config import Config, DataConfig, ModelConfig, TrainConfig
@@ -63,5 +62,5 @@ def worker(rank: int, world: int, ports: list[int], jobs: list[tuple], out_dir: 
 def spawn(world: int, jobs: list[tuple], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     ports = [h.free_port() for _ in jobs]
-    mp.spawn(worker, args=(world, ports, jobs, str(out_dir)), nprocs=world, join=True)
+    h.start_ranks(worker, args=(world, ports, jobs, str(out_dir)), nprocs=world)
     h.load_results(out_dir, world)

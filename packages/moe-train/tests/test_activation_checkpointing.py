@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -230,7 +229,7 @@ def test_the_mode_changes_no_parameter_or_buffer_name():
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("ac4")
-    mp.spawn(h.run_guarded, args=(w.worker4, str(out_dir), h.free_port(), h.token_stream()), nprocs=4, join=True)
+    h.start_ranks(h.run_guarded, args=(w.worker4, str(out_dir), h.free_port(), h.token_stream()), nprocs=4)
     return h.load_results(out_dir, 4)
 
 

@@ -7,7 +7,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_worker as w  # noqa: E402
@@ -18,7 +17,7 @@ def test_bench_under_two_ranks_reports_once_for_the_whole_job(tmp_path):
     out_dir = tmp_path / "ranks"
     out_dir.mkdir()
     report = tmp_path / "bench.json"
-    mp.spawn(h.run_guarded, args=(w.bench_rank, str(out_dir), h.free_port(), str(report)), nprocs=2, join=True)
+    h.start_ranks(h.run_guarded, args=(w.bench_rank, str(out_dir), h.free_port(), str(report)), nprocs=2)
     ranks = h.load_results(out_dir, 2)
     assert [r["status"] for r in ranks] == [0, 0]
     assert ranks[1]["printed"] == ""

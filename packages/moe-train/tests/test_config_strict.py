@@ -309,5 +309,5 @@ def test_a_warmup_longer_than_the_run_is_named_when_the_trainer_starts(warmup, w
     trainer.runtime.close()
     trainer._release_run_dir()
     named = [str(w.message) for w in caught if "train.warmup_steps" in str(w.message)]
-    assert named == ([f"train.warmup_steps=5 > train.steps=4: the whole run warms up, its lr peaks at lr x 4/5 = "
+    assert named == (["train.warmup_steps=5 > train.steps=4: the whole run warms up, its lr peaks at lr x 4/5 = "
                       "0.0008 (train.lr=0.001) and never decays"] if warns else [])

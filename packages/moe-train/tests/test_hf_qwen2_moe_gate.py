@@ -21,7 +21,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hf_logits_helpers import folder_tensors, hf_logits, our_logits, one_thread  # noqa: E402,F401 - one_thread: autouse

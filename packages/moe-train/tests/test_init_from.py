@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -147,8 +146,8 @@ def test_a_dp2_ep2_run_starts_from_a_one_process_checkpoint(param_dtype, kind, s
     given = tmp_path / "imported" if kind == "import-hf output" else src
     root = tmp_path / "ranks"
     root.mkdir()
-    mp.spawn(h.run_guarded, args=(w.train_two_ranks, str(root), h.free_port(), str(root), str(data_dir), str(given),
-                                  param_dtype), nprocs=2, join=True)
+    h.start_ranks(h.run_guarded, args=(w.train_two_ranks, str(root), h.free_port(), str(root), str(data_dir), str(given),
+                                  param_dtype), nprocs=2)
     results = h.load_results(root, 2)
     masters_seen = 0
     for rank, res in enumerate(results):

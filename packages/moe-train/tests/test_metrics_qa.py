@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import metrics_qa_worker as w  # noqa: E402
@@ -153,7 +152,7 @@ def test_a_record_matches_hand_counts_over_its_window_and_its_tokens_per_s_leave
 def two_ranks(data, tmp_path_factory):
     root = tmp_path_factory.mktemp("two_ranks")
     ports = [h.free_port() for _ in range(2)]
-    mp.spawn(h.run_guarded, args=(w.train_two_ranks, str(root), ports, str(root), str(data)), nprocs=2, join=True)
+    h.start_ranks(h.run_guarded, args=(w.train_two_ranks, str(root), ports, str(root), str(data)), nprocs=2)
     return h.load_results(root, 2), step_records(root / "run")
 
 

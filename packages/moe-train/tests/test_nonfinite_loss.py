@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import nonfinite_loss_worker as w  # noqa: E402
@@ -63,8 +62,8 @@ def test_one_ranks_infinite_loss_skips_the_step_on_every_rank(tmp_path, data_dir
     so both drop their gradients (the gradient sync is left ready for the next step) and stay identical."""
     root = tmp_path / "ranks"
     root.mkdir()
-    mp.spawn(h.run_guarded, args=(w.train_two_ranks, str(root), h.free_port(), str(root), str(data_dir), ep),
-             nprocs=2, join=True)
+    h.start_ranks(h.run_guarded, args=(w.train_two_ranks, str(root), h.free_port(), str(root), str(data_dir), ep),
+             nprocs=2)
     results = h.load_results(root, 2)
     for rank, res in enumerate(results):
         snaps = res["snapshots"]

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from moe_train.config import Config, DataConfig, ModelConfig, RouterConfig, TrainConfig
 from moe_train.data import WindowSampler
@@ -106,6 +107,18 @@ def assemble(pieces: list[dict[str, tuple]]) -> dict[str, torch.Tensor]:
             full = out.setdefault(name, torch.full(shape, float("nan")))
             full[tuple(slice(o, o + n) for o, n in dims)] = tensor
     return out
+
+
+# Ranks are forked from a server that has imported these once: a freshly spawned interpreter spends ~3 s of CPU
+# importing torch and the packages, on every rank of every multi-rank test (CI has 2 cores). What a rank needs
+# travels as its arguments: a forked rank does not see environment variables set in the test process after the
+# server started.
+mp.set_forkserver_preload(["torch", "torch.distributed", "moe_kernels", "moe_parallel", "moe_ckpt", "moe_train"])
+
+
+def start_ranks(fn, args: tuple, nprocs: int) -> None:  # noqa: ANN001
+    """torch.multiprocessing.spawn(fn, args, nprocs, join=True), the ranks started by the forkserver."""
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 
 def free_port() -> int:

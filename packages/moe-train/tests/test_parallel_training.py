@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import test_parallel_harness as h  # noqa: E402
@@ -38,7 +37,7 @@ def reference(tokens):
 
 def _spawn(worker, world: int, tokens, tmp_path_factory) -> list[dict]:  # noqa: ANN001
     out_dir = tmp_path_factory.mktemp(f"spawn{world}")
-    mp.spawn(h.run_guarded, args=(worker, str(out_dir), h.free_port(), tokens), nprocs=world, join=True)
+    h.start_ranks(h.run_guarded, args=(worker, str(out_dir), h.free_port(), tokens), nprocs=world)
     return h.load_results(out_dir, world)
 
 

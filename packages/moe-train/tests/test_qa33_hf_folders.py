@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -96,11 +96,10 @@ def test_a_dense_model_starts_from_the_import_of_its_own_export(tmp_path, data_d
 def test_ranks_that_resolved_different_checkpoints_of_the_source_refuse_together(steps, tmp_path):
     """Each rank looks up a run folder's latest checkpoint on its own; a run still saving can move it between the
     lookups, and replicas would start from different weights without a word."""
-    import torch.multiprocessing as mp
-
+    
     import test_parallel_harness as h
 
-    mp.spawn(h.run_guarded, args=(w.resolve_steps, str(tmp_path), h.free_port(), steps), nprocs=2, join=True)
+    h.start_ranks(h.run_guarded, args=(w.resolve_steps, str(tmp_path), h.free_port(), steps), nprocs=2)
     refused = [r["refused"] for r in h.load_results(tmp_path, 2)]
     if steps[0] == steps[1]:
         assert refused == [None, None]

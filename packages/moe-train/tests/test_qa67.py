@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import qa67_worker as w  # noqa: E402
@@ -35,8 +34,7 @@ def test_one_ranks_bad_window_stops_both_dp_ranks_with_the_data_error(tmp_path, 
     at = w.poison_rank1s_first_window(data_dir)
     root = tmp_path / "ranks"
     root.mkdir()
-    mp.spawn(h.run_guarded, args=(w.train_dp2, str(root), h.free_port(), str(root), str(data_dir)), nprocs=2,
-             join=True)
+    h.start_ranks(h.run_guarded, args=(w.train_dp2, str(root), h.free_port(), str(root), str(data_dir)), nprocs=2)
     results = h.load_results(root, 2)
     for rank, res in enumerate(results):
         assert res["type"] == "DataError", f"rank {rank} stopped with {res['type']}: {res['message']}"

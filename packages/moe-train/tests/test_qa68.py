@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import qa68_worker as w  # noqa: E402
@@ -39,8 +38,8 @@ def test_a_start_one_rank_refuses_stops_every_rank_with_the_cause(tmp_path, data
     root.mkdir()
     (root / "a_file").write_text("not a folder")
     _checkpoints_at_2_and_4(root, data_dir)
-    mp.spawn(h.run_guarded, args=(w.start_dp2, str(root), [h.free_port() for _ in range(3)], str(root), str(data_dir)),
-             nprocs=2, join=True)
+    h.start_ranks(h.run_guarded, args=(w.start_dp2, str(root), [h.free_port() for _ in range(3)], str(root),
+                                       str(data_dir)), nprocs=2)
     results = h.load_results(root, 2)
 
     data = [res["data_missing_on_rank1"] for res in results]
@@ -68,8 +67,8 @@ def test_a_start_one_rank_refuses_stops_every_rank_with_the_cause(tmp_path, data
 def test_rank_0s_failed_metrics_write_stops_every_rank_with_the_cause(tmp_path, data_dir):
     root = tmp_path / "ranks"
     root.mkdir()
-    mp.spawn(h.run_guarded, args=(w.metrics_write_fails_on_rank0, str(root), h.free_port(), str(root),
-                                  str(data_dir)), nprocs=2, join=True)
+    h.start_ranks(h.run_guarded, args=(w.metrics_write_fails_on_rank0, str(root), h.free_port(), str(root),
+                                       str(data_dir)), nprocs=2)
     results = h.load_results(root, 2)
     assert results[0]["type"] == "OSError" and "No space left on device" in results[0]["message"], results[0]
     assert results[1]["type"] == "TrainingError", results[1]

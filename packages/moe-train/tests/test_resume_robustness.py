@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from moe_ckpt import find_latest, inspect_checkpoint, step_dir
 from moe_train.trainer.loop import Trainer
@@ -168,7 +167,7 @@ def two_ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("two_ranks")
     data = prepare_data(list(stdlib_documents(100_000)), root / "data", vocab_size=512, source="stdlib-test")
     ports = [h.free_port() for _ in range(3)]
-    mp.spawn(h.run_guarded, args=(w.worker, str(root), ports, str(root), str(data)), nprocs=2, join=True)
+    h.start_ranks(h.run_guarded, args=(w.worker, str(root), ports, str(root), str(data)), nprocs=2)
     return h.load_results(root, 2)
 
 

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
 from moe_train.trainer.loop import Trainer
 from moe_train.trainer.run_lock import LOCK_NAME, RunFolderBusyError, RunFolderLock
@@ -76,7 +75,7 @@ def test_every_rank_of_a_job_into_a_busy_folder_raises(tmp_path, data_dir):
     try:
         out = tmp_path / "out"
         out.mkdir()
-        mp.spawn(h.run_guarded, args=(w.construct_trainer, str(out), h.free_port(), str(run_dir), str(data_dir)), nprocs=2, join=True)
+        h.start_ranks(h.run_guarded, args=(w.construct_trainer, str(out), h.free_port(), str(run_dir), str(data_dir)), nprocs=2)
         results = h.load_results(out, 2)
     finally:
         proc.kill()

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import step_counts_worker as w  # noqa: E402
@@ -38,7 +37,7 @@ def runs(tmp_path_factory):
     out["one_step_count_tensors"] = set(inspect_checkpoint(old)["tensors"])
     out["one_step_count"] = w.train(root / "one_step_count_resumed", 1, resume_from=old)
     ports = [h.free_port() for _ in range(4)]
-    mp.spawn(h.run_guarded, args=(w.worker, str(root), ports, str(root)), nprocs=2, join=True)
+    h.start_ranks(h.run_guarded, args=(w.worker, str(root), ports, str(root)), nprocs=2)
     ranks = h.load_results(root, 2)
     for name, res in ranks[0].items():
         for other in ranks[1:]:  # replicas leave every step with identical weights
