@@ -190,7 +190,7 @@ def check_second_derivatives_and_forward_ad_are_refused_by_name(torch, moe):
     rm, (x, weights, w1, w2) = _problem(torch, moe, 8, torch.float32)
     rows = x[rm.source_token]
     second = "the triton backend's backward is not differentiable"
-    forward_ad = r"forward-mode AD .* not supported with backend='triton'; use backend='torch' or 'reference'"
+    forward_ad = r"forward-mode AD .* not supported with backend='triton'; use backend='reference' for that transform"
     calls = {
         "SwigluFFNFn": lambda w: moe.moe_ffn(x, rm, w, w1, w2, "triton").square().sum(),
         "GroupedGemmFn": lambda w: moe.grouped_gemm(rows * w[0, 0], w1, rm.offsets, "triton").square().sum(),

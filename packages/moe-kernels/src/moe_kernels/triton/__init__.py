@@ -121,5 +121,6 @@ def refuse_double_backward(op: str) -> None:
     if torch.is_grad_enabled():
         raise RuntimeError(
             f"{op}: the triton backend's backward is not differentiable (create_graph=True asks for a second "
-            "derivative); use backend='reference' for higher-order gradients"
+            "derivative); use backend='reference' for higher-order gradients (on a GPU, backend='torch' and 'auto' run "
+            "this Triton op too)"
         )

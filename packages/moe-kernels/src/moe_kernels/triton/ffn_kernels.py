@@ -29,6 +29,7 @@ from moe_kernels.triton.grouped_gemm_kernels import grouped_gemm_launch, grouped
 from moe_kernels.triton.permute_kernels import (
     combine_backward,
     gather_sum,
+    refuse_dual_inputs,
     refuse_forward_ad,
     run_backward,
     scatter_rows,
@@ -98,6 +99,7 @@ class SwigluFFNFn(torch.autograd.Function):
     @staticmethod
     def forward(x, weights, w1, w2, offsets, sort_order, dest_row, top_k, plan):
         """x: [T, d] (routed) or [N, d] (sorted rows), row-major (`dense_rows`); w1: [E, d, 2h]; w2: [E, h, d]."""
+        refuse_dual_inputs("SwigluFFNFn", (x, weights, w1, w2))
         routed = dest_row is not None
         n_rows = sort_order.shape[0] if routed else x.shape[0]
         h = w2.shape[1]

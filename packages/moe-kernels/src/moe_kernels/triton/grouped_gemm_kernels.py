@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from moe_kernels.triton.gluon_wgrad import gluon_wgrad_launch, gluon_wgrad_supports
-from moe_kernels.triton.permute_kernels import refuse_forward_ad, run_backward, vmap_by_loop
+from moe_kernels.triton.permute_kernels import refuse_dual_inputs, refuse_forward_ad, run_backward, vmap_by_loop
 from moe_kernels.triton.tuning import pick_config, rows_bucket
 
 
@@ -411,6 +411,7 @@ class GroupedGemmFn(torch.autograd.Function):
     def forward(x, w, offsets):
         """x: contiguous (the callers make it so, inside the graph: saving a copy made here would
         need a second one in setup_context)."""
+        refuse_dual_inputs("GroupedGemmFn", (x, w))
         return grouped_gemm_forward(x, w, offsets)
 
     @staticmethod

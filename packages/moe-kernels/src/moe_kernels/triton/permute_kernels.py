@@ -129,15 +129,26 @@ def _second_derivative_error(op: str) -> RuntimeError:
     return RuntimeError(
         f"{op}: the triton backend's backward is not differentiable (a second derivative: create_graph=True, "
         "nested torch.func.grad, hessian); backend='triton' cannot give one: use backend='reference' "
-        "(or 'torch') for higher-order gradients"
+        "for higher-order gradients (on a GPU, backend='torch' and 'auto' run this Triton op too)"
     )
 
 
 def forward_ad_error(op: str) -> RuntimeError:
     return RuntimeError(
-        f"{op}: forward-mode AD (torch.func.jvp, jacfwd, hessian) is not supported with backend='triton'; "
-        "use backend='torch' or 'reference' for that transform"
+        f"{op}: forward-mode AD (torch.func.jvp, jacfwd, hessian, linearize; torch.autograd.forward_ad's dual "
+        "tensors) is not supported with backend='triton'; use backend='reference' for that transform (on a GPU, "
+        "backend='torch' and 'auto' run this Triton op too)"
     )
+
+
+def refuse_dual_inputs(op: str, inputs: tuple) -> None:
+    """Called first in the forward of every triton autograd Function: dual tensors of
+    torch.autograd.forward_ad (which torch.func.linearize traces with make_fx) are refused by name
+    before a kernel launch, where torch would only say that a jvp staticmethod is missing (and
+    linearize fails inside Triton's launcher). The forward, not setup_context: linearize traces the
+    forward, whose kernels cannot take its proxy tensors, before setup_context would run."""
+    if not torch.compiler.is_compiling() and _has_forward_grad(inputs):
+        raise forward_ad_error(op)
 
 
 def refuse_forward_ad(op: str) -> None:
@@ -152,6 +163,27 @@ def refuse_forward_ad(op: str) -> None:
 
     if retrieve_current_functorch_interpreter().key() == TransformType.Jvp:
         raise forward_ad_error(op)
+
+
+def _has_forward_grad(inputs: tuple) -> bool:
+    """Whether an input is a dual tensor of the current torch.autograd.forward_ad level (only
+    inside a `dual_level()`: outside one, no tensor carries a tangent). A Function's forward may
+    run with forward grad disabled, which hides the tangents from unpack_dual: enabled for the look."""
+    import torch.autograd.forward_ad as fwAD
+
+    if fwAD._current_level < 0:
+        return False
+    with fwAD._set_fwd_grad_enabled(True):
+        return any(isinstance(t, torch.Tensor) and fwAD.unpack_dual(t).tangent is not None for t in inputs)
+
+
+def _legacy_batched_error(op: str) -> RuntimeError:
+    return RuntimeError(
+        f"{op}: backend='triton' cannot run its backward under torch.autograd.grad(..., is_grads_batched=True) "
+        "(nor torch.autograd.functional.jacobian / hessian with vectorize=True): torch batches that backward "
+        "with its legacy vmap, whose tensors the triton kernels cannot read; use torch.func.jacrev or "
+        "torch.func.vmap over torch.func.vjp's vjp_fn, vectorize=False, or backend='reference'"
+    )
 
 
 def _plain(t):
@@ -219,8 +251,12 @@ class KernelBackward(torch.autograd.Function):
 def run_backward(op: str, fn, *args):
     """A triton Function's backward: `fn(*args)` directly in eager autograd (refusing create_graph=True
     there, as always), through KernelBackward inside torch.func."""
-    if not torch.compiler.is_compiling() and in_func_transform(*[a for a in args if isinstance(a, torch.Tensor)]):
-        return KernelBackward.apply(fn, op, *args)
+    if not torch.compiler.is_compiling():
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if in_func_transform(*tensors):
+            return KernelBackward.apply(fn, op, *args)
+        if any(torch._C._functorch.is_legacy_batchedtensor(t) for t in tensors):
+            raise _legacy_batched_error(op)
     refuse_double_backward(op)
     return fn(*args)
 
@@ -228,6 +264,7 @@ def run_backward(op: str, fn, *args):
 class PermuteFn(torch.autograd.Function):
     @staticmethod
     def forward(x, dest_row, top_k):
+        refuse_dual_inputs("PermuteFn", (x,))
         return scatter_rows(x, dest_row, top_k)
 
     @staticmethod
@@ -255,6 +292,7 @@ def _permute_backward(g, dest_row, top_k):
 class CombineFn(torch.autograd.Function):
     @staticmethod
     def forward(y, dest_row, weights):
+        refuse_dual_inputs("CombineFn", (y, weights))
         return gather_sum(y, dest_row, weights.shape[1], weights)
 
     @staticmethod
