@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
-import os
 import re
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +31,9 @@ from moe_kernels import (
     permute,
     swiglu_experts,
 )
+
+sys.path.insert(0, str(Path(__file__).parent))
+import interpreter_checks  # noqa: E402
 
 try:
     import numpy  # noqa: F401  (the interpreter runs on numpy)
@@ -337,31 +338,17 @@ INTERPRETER_CHECKS = {
 
 @pytest.fixture(scope="module")
 def interpreter_verdicts():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreter_checks.verdicts_of(__file__)
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton or numpy (its interpreter needs it) is not installed")
 @pytest.mark.parametrize("check", list(INTERPRETER_CHECKS))
 def test_triton_backend_under_the_interpreter(interpreter_verdicts, check):
-    assert interpreter_verdicts[check] == "ok", interpreter_verdicts[check]
+    assert interpreter_verdicts[check]["verdict"] == "ok", interpreter_verdicts[check]["verdict"]
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    import traceback
-
-    torch.set_num_threads(2)
-    verdicts = {}
-    for name, check in INTERPRETER_CHECKS.items():
-        try:
-            check()
-            verdicts[name] = "ok"
-        except BaseException:  # noqa: BLE001 - pytest.raises' Failed too: reported per check to the parent test
-            verdicts[name] = traceback.format_exc()[-2000:]
-    print(json.dumps(verdicts))
+    interpreter_checks.run_checks(INTERPRETER_CHECKS)
 
 
 @pytest.mark.parametrize("backend", ["torch", "reference"])

@@ -12,12 +12,13 @@ autograd on the same kernels (the interpreter truncates fp32->bf16 stores, so bf
 reference only loosely).
 """
 
-import json
-import os
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import interpreter_checks  # noqa: E402
 
 try:
     import numpy  # noqa: F401  (Triton's interpreter runs on numpy)
@@ -216,10 +217,7 @@ CHECKS = {name[len("check_"):]: fn for name, fn in dict(globals()).items() if na
 
 @pytest.fixture(scope="module")
 def interpreter_verdicts():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreter_checks.verdicts_of(__file__)
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton or numpy (its interpreter needs it) is not installed")
@@ -229,22 +227,9 @@ def test_torch_func_through_triton_backend_under_interpreter(interpreter_verdict
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    import time
-    import traceback
-
     import torch
 
     import moe_kernels as moe
 
-    torch.set_num_threads(2)
-    verdicts = {}
-    for name, check in CHECKS.items():
-        start = time.perf_counter()
-        try:
-            check(torch, moe)
-            verdict = "ok"
-        except BaseException:  # noqa: BLE001 - pytest.raises' Failed too: reported per check to the parent test
-            verdict = traceback.format_exc()[-2500:]
-        verdicts[name] = {"verdict": verdict, "seconds": round(time.perf_counter() - start, 2)}
-    print(json.dumps(verdicts))
+    interpreter_checks.run_checks(CHECKS, torch, moe)
+
