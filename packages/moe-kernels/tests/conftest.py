@@ -1,10 +1,12 @@
 """Shared test helpers for moe-kernels."""
 
-import os
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import interpreter_checks  # noqa: E402
 
 
 def pytest_configure(config):
@@ -20,9 +22,11 @@ def run_under_interpreter():
     before triton is imported, so the interpreter checks run in a fresh process (the file's
     `__main__` block)."""
 
-    def run(path: str, timeout: int = 300) -> None:
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        proc = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True, timeout=timeout)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return interpreter_checks.run_as_script
 
-    return run
+
+@pytest.fixture(scope="module")
+def interpreter_verdicts(request):
+    """The verdicts of the requesting test file's interpreter checks: the file run once as a script under
+    Triton's CPU interpreter (`interpreter_checks.run_checks` in its `__main__`)."""
+    return interpreter_checks.verdicts_of(request.module.__file__)

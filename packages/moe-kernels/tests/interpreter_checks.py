@@ -14,12 +14,17 @@ import traceback
 from collections.abc import Callable
 
 
-def verdicts_of(test_file: str, timeout_s: float = 300) -> dict[str, dict]:
-    """{check name: {"verdict": "ok" or the traceback's tail, "seconds": ...}} of test_file run as a script."""
+def run_as_script(test_file: str, timeout: float = 300) -> str:
+    """test_file run as a script under the interpreter, which must exit 0: its standard output."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, test_file], env=env, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run([sys.executable, test_file], env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return proc.stdout
+
+
+def verdicts_of(test_file: str) -> dict[str, dict]:
+    """{check name: {"verdict": "ok" or the traceback's tail, "seconds": ...}} of test_file run as a script."""
+    return json.loads(run_as_script(test_file).strip().splitlines()[-1])
 
 
 def run_checks(checks: dict[str, Callable], *args) -> None:

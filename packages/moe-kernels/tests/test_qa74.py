@@ -281,11 +281,6 @@ def check_torch_backend_on_gpu_refuses_forward_ad_naming_reference(torch, moe):
 CHECKS = {name[len("check_"):]: fn for name, fn in dict(globals()).items() if name.startswith("check_")}
 
 
-@pytest.fixture(scope="module")
-def interpreter_verdicts():
-    return interpreter_checks.verdicts_of(__file__)
-
-
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton or numpy (its interpreter needs it) is not installed")
 @pytest.mark.parametrize("check", list(CHECKS))
 def test_qa74_torch_func_and_autograd_through_triton_under_interpreter(interpreter_verdicts, check):

@@ -336,11 +336,6 @@ INTERPRETER_CHECKS = {
 }
 
 
-@pytest.fixture(scope="module")
-def interpreter_verdicts():
-    return interpreter_checks.verdicts_of(__file__)
-
-
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton or numpy (its interpreter needs it) is not installed")
 @pytest.mark.parametrize("check", list(INTERPRETER_CHECKS))
 def test_triton_backend_under_the_interpreter(interpreter_verdicts, check):

@@ -215,11 +215,6 @@ def check_second_derivatives_and_forward_ad_are_refused_by_name(torch, moe):
 CHECKS = {name[len("check_"):]: fn for name, fn in dict(globals()).items() if name.startswith("check_")}
 
 
-@pytest.fixture(scope="module")
-def interpreter_verdicts():
-    return interpreter_checks.verdicts_of(__file__)
-
-
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton or numpy (its interpreter needs it) is not installed")
 @pytest.mark.parametrize("check", list(CHECKS))
 def test_torch_func_through_triton_backend_under_interpreter(interpreter_verdicts, check):

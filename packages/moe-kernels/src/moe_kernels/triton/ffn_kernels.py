@@ -26,15 +26,8 @@ import torch
 
 from moe_kernels.triton import dense_rows
 from moe_kernels.triton.grouped_gemm_kernels import grouped_gemm_launch, grouped_wgrad_launch
-from moe_kernels.triton.permute_kernels import (
-    combine_backward,
-    gather_sum,
-    refuse_dual_inputs,
-    refuse_forward_ad,
-    run_backward,
-    scatter_rows,
-    vmap_by_loop,
-)
+from moe_kernels.triton.autograd_support import refuse_dual_inputs, refuse_forward_ad, run_backward, vmap_by_loop
+from moe_kernels.triton.permute_kernels import combine_backward, gather_sum, scatter_rows
 from moe_kernels.triton.swiglu_kernels import swiglu_backward, swiglu_forward
 
 PLAN_OPTIONS: dict[str, tuple[str, ...]] = {

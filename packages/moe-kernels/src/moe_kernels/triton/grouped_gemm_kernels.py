@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from moe_kernels.triton.gluon_wgrad import gluon_wgrad_launch, gluon_wgrad_supports
-from moe_kernels.triton.permute_kernels import refuse_dual_inputs, refuse_forward_ad, run_backward, vmap_by_loop
+from moe_kernels.triton.autograd_support import refuse_dual_inputs, refuse_forward_ad, run_backward, vmap_by_loop
 from moe_kernels.triton.tuning import pick_config, rows_bucket
 
 
