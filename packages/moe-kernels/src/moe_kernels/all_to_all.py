@@ -55,6 +55,7 @@ from moe_kernels.dispatch import (
     DispatchResult,
     IdentityCodec,
     PayloadCodec,
+    check_decoded_rows,
     check_payload_rows,
     require_graph_kept,
 )
@@ -184,7 +185,14 @@ class AllToAllDispatcher:
         recv_counts = recv[:, :e_local]  # [ep, E_local]: from each source rank, per local expert
         recv_splits = [sum(row[:e_local]) for row in table]
         num_recv = sum(recv_splits)
-        received = self.codec.decode(all_to_all_rows(payload, recv_splits, send_splits, self.group))
+        arrived = all_to_all_rows(payload, recv_splits, send_splits, self.group)
+        received = self.codec.decode(arrived)
+        # Checked as LocalDispatcher checks it. After the exchange, so raised on each rank alone: every EP rank
+        # runs the same codec on rows of one width and dtype (agreed above), so a codec that is wrong is wrong on
+        # all of them (one that fails on some ranks' rows only, as one raising inside decode, leaves the others
+        # waiting in combine).
+        check_decoded_rows(received, num_recv, "N_recv")
+        require_graph_kept(arrived, received, "codec.decode(received payload)")
 
         # Received rows come source-rank major; reorder to local-expert major (source rank within).
         local_to_recv = _source_major_to_expert_major(recv_counts, num_recv)

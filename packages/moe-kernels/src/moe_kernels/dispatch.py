@@ -75,11 +75,14 @@ def check_payload_rows(payload: Any, num_rows: int) -> None:
         raise ValueError(f"codec.encode must return a tensor of T*k={num_rows} rows, got {got}")
 
 
-def check_decoded_rows(decoded: Any, num_rows: int) -> None:
-    """What codec.decode returned: the [T*k, d] rows the experts compute on."""
+def check_decoded_rows(decoded: Any, num_rows: int, rows_name: str = "T*k") -> None:
+    """What codec.decode returned: the [num_rows, d] rows the experts compute on (T*k of them locally; the
+    received N_recv after an exchange)."""
     if not isinstance(decoded, torch.Tensor) or decoded.dim() != 2 or decoded.shape[0] != num_rows:
         got = tuple(decoded.shape) if isinstance(decoded, torch.Tensor) else type(decoded).__name__
-        raise ValueError(f"codec.decode must return the [T*k={num_rows}, d] rows the experts compute on, got {got}")
+        raise ValueError(
+            f"codec.decode must return the [{rows_name}={num_rows}, d] rows the experts compute on, got {got}"
+        )
 
 
 def require_graph_kept(rows: torch.Tensor, coded: torch.Tensor, step: str) -> None:

@@ -53,8 +53,9 @@ class MoELayer(nn.Module):
         w1 = self.recipe.gemm_weight(self.experts.w_gate_up, flat)  # in `dtype`; the gradient cast back fast
         w2 = self.recipe.gemm_weight(self.experts.w_down, flat)
         d = self.dispatcher
-        if isinstance(d, LocalDispatcher) and isinstance(d.codec, IdentityCodec):
-            # all experts here and nothing to encode: the fused block (gather, SwiGLU, combine in the GEMMs)
+        if type(d) is LocalDispatcher and type(d.codec) is IdentityCodec:
+            # all experts here and nothing to encode: the fused block (gather, SwiGLU, combine in the GEMMs). The
+            # exact types: a subclass may override dispatch, combine or the codec's calls, and must be run
             out = moe_ffn(flat.to(dtype), route_map, routed.weights, w1, w2, self.gemm_backend)
         else:
             result = d.dispatch(flat.to(dtype), route_map)

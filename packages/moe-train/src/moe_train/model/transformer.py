@@ -62,15 +62,18 @@ IGNORED_TARGET = -100  # F.cross_entropy's default ignore_index, as transformers
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None):
+    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None,
+                 recipe: PrecisionRecipe | None = None):
         """device="meta": shapes only, no memory and no initialisation; a runtime slices it for
-        its rank, materialises it on its device and calls reset_parameters(seed, ...)."""
+        its rank, materialises it on its device and calls reset_parameters(seed, ...).
+        recipe: the precision recipe of every dense linear layer and expert GEMM; PrecisionRecipe(cfg.precision)
+        when None (another recipe object, e.g. one being built, plugs in here)."""
         super().__init__()
         # Checked before anything is allocated: a bad field otherwise ran silently (an odd rotary dim, more kv heads
         # than heads) or failed deep inside a forward with a shape error.
         validate_model(cfg)
         self.cfg = cfg
-        recipe = PrecisionRecipe(cfg.precision)
+        recipe = PrecisionRecipe(cfg.precision) if recipe is None else recipe
         with torch.device(device) if device is not None else nullcontext():
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
             self.blocks = nn.ModuleList(Block(cfg, i, recipe) for i in range(cfg.num_layers))
