@@ -3,30 +3,18 @@ error text (or "accepted") instead of raising, so one rank's verdict never leave
 
 from __future__ import annotations
 
-import math
-import os
-import traceback
-import zlib
 from collections.abc import Callable
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from moe_kernels import LocalDispatcher, build_route_map, swiglu_experts
-from runtime_qa_worker import CFG, E, lr_at
+from runtime_qa_worker import CFG, lr_at
 from moe_parallel import (
     AdamWConfig,
     DistributedAdamW,
     FlatParams,
     GradientSync,
-    ParallelGroups,
-    ParallelLayout,
-    apply_expert_parallel,
-    build_groups,
-    expert_parameter_names,
 )
 
 def _outcome(fn: Callable[[], object]) -> str:

@@ -22,7 +22,6 @@ import math
 import os
 import traceback
 import zlib
-from collections.abc import Callable
 from datetime import timedelta
 
 import torch

@@ -7,7 +7,9 @@ batch (odd sizes: T = 13, 9, 7, 5; d=20, hidden=12) forward and backward. The re
 whole batch on one process through LocalDispatcher. Checked, fp32 within 1e-5 relative:
 outputs and x gradients per rank; expert gradients summed over expert-DP; router gradients summed
 over DP. Layouts: dp=4 ep=2 (two EP groups, expert-DP replicas) and dp=4 ep=4 (one expert per rank).
-The layer's codec must survive apply_expert_parallel and run on the travelling rows.
+The layer's codec must survive apply_expert_parallel and run on the travelling rows. A transport written
+here (`transport=`, the seam another dispatcher such as row-wise NVSHMEM plugs into) is built with the
+group, expert count, capacity and codec, installed on the layer, and runs the exchange.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_kernels import LocalDispatcher, build_route_map, swiglu_experts
+from moe_kernels import AllToAllDispatcher, LocalDispatcher, build_route_map, swiglu_experts
 from moe_parallel import ParallelLayout, apply_expert_parallel, build_groups
 
 pytestmark = pytest.mark.slow
@@ -34,6 +36,26 @@ TOKENS = (13, 9, 7, 5)
 DEADLINE_S = 120  # the spawn takes ~15 s on 2 CPU cores
 COLLECTIVE_TIMEOUT_S = 30
 LAYOUTS = {"dp4_ep2": ParallelLayout(dp=4, ep=2), "dp4_ep4": ParallelLayout(dp=4, ep=4)}
+TRANSPORT_LAYOUT = "dp4_ep2"  # run a second time with CountingTransport
+
+
+class CountingTransport:
+    """A TokenDispatcher of its own: records how it was built and counts its calls, the exchange done by an
+    AllToAllDispatcher it holds (not a subclass)."""
+
+    def __init__(self, group, num_experts: int, capacity_factor: float = 0.0, codec=None) -> None:
+        self.built_with = (group, num_experts, capacity_factor, codec)
+        self.codec = codec
+        self.calls = 0
+        self.inner = AllToAllDispatcher(group, num_experts, capacity_factor, codec=codec)
+
+    def dispatch(self, x, route_map):
+        self.calls += 1
+        return self.inner.dispatch(x, route_map)
+
+    def combine(self, rows, result, weights):
+        self.calls += 1
+        return self.inner.combine(rows, result, weights)
 
 
 class Pow2Codec:
@@ -100,12 +122,20 @@ def layouts_case(rank: int) -> dict:
     lo = sum(TOKENS[:rank])
     tok = slice(lo, lo + TOKENS[rank])
     res = {}
-    for name, layout in LAYOUTS.items():
+    cases = [(name, layout, None) for name, layout in LAYOUTS.items()]
+    cases.append((f"{TRANSPORT_LAYOUT}_transport", LAYOUTS[TRANSPORT_LAYOUT], CountingTransport))
+    for name, layout, transport in cases:
         groups = build_groups(layout, E, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         torch.manual_seed(0)
         model = MoELayer()
         codec = model.dispatcher.codec
-        shards = apply_expert_parallel(model, groups)
+        if transport is None:
+            shards = apply_expert_parallel(model, groups)
+        else:
+            shards = apply_expert_parallel(model, groups, transport=transport)
+            d = model.dispatcher
+            res[f"{name}.transport_built"] = (type(d) is transport and d.built_with[0] is groups.ep
+                                              and d.built_with[1:] == (E, 0.0, codec))
         got = _run(model, x[tok], probe[tok])
         dist.all_reduce(got["router"], group=groups.dp)  # dense: every token of every rank
         for p in ("w_gate_up", "w_down"):
@@ -119,6 +149,8 @@ def layouts_case(rank: int) -> dict:
         res[f"{name}.codec_kept"] = model.dispatcher.codec is codec
         res[f"{name}.codec_calls"] = codec.calls
         res[f"{name}.lb_group_is_dp"] = model.router.lb_group is groups.dp
+        if transport is not None:
+            res[f"{name}.transport_calls"] = model.dispatcher.calls
     return res
 
 
@@ -146,7 +178,10 @@ def results(tmp_path_factory):
     return res
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+ALL_CASES = sorted(LAYOUTS) + [f"{TRANSPORT_LAYOUT}_transport"]
+
+
+@pytest.mark.parametrize("layout", ALL_CASES)
 @pytest.mark.parametrize("what", ["out", "x", "router", "w_gate_up", "w_down"])
 def test_expert_parallel_layouts_match_one_process_forward_and_backward(results, layout, what):
     for r, res in enumerate(results):
@@ -154,9 +189,16 @@ def test_expert_parallel_layouts_match_one_process_forward_and_backward(results,
         assert err <= 1e-5, f"rank {r} {layout} {what}: relative error {err:.3g}"
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", ALL_CASES)
 def test_apply_expert_parallel_keeps_the_layers_payload_codec(results, layout):
     for r, res in enumerate(results):
         assert res[f"{layout}.codec_kept"], f"rank {r}: the layer's codec was replaced"
         assert res[f"{layout}.codec_calls"] == 1, f"rank {r}: codec ran {res[f'{layout}.codec_calls']} times"
         assert res[f"{layout}.lb_group_is_dp"]
+
+
+def test_a_transport_of_its_own_is_built_with_the_layers_settings_and_runs_the_exchange(results):
+    name = f"{TRANSPORT_LAYOUT}_transport"
+    for r, res in enumerate(results):
+        assert res[f"{name}.transport_built"], f"rank {r}: the transport was not built with (ep group, E, capacity, codec)"
+        assert res[f"{name}.transport_calls"] == 2, f"rank {r}: dispatch + combine ran {res[f'{name}.transport_calls']} times"

@@ -8,12 +8,13 @@ parallelism keeps this rank's contiguous block of experts, swaps in the all-to-a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from moe_kernels import AllToAllDispatcher
+from moe_kernels import AllToAllDispatcher, TokenDispatcher
 from moe_kernels.all_to_all import check_capacity_factor
 from moe_parallel.groups import ParallelGroups
 
@@ -47,19 +48,25 @@ def expert_parameter_names(model: nn.Module) -> set[str]:
 
 
 @torch.no_grad()
-def apply_expert_parallel(model: nn.Module, groups: ParallelGroups, capacity_factor: float = 0.0) -> dict[str, ExpertShard]:
+def apply_expert_parallel(
+    model: nn.Module, groups: ParallelGroups, capacity_factor: float = 0.0, *,
+    transport: Callable[..., TokenDispatcher] = AllToAllDispatcher,
+) -> dict[str, ExpertShard]:
     """Slice every MoE layer's experts to this EP rank's block and install the all-to-all dispatcher.
 
     Call on the whole model, with its seeded weights or on the meta device (then only shapes are
     sliced, and the caller allocates and initialises this rank's experts), before DDP / the optimizer see it.
     With ep = 1 the experts stay whole and only the router's balancing group is set.
     Returns the expert parameters' global shapes and row offsets (for checkpoints).
+    transport: what builds each layer's dispatcher, called as AllToAllDispatcher is,
+    `transport(groups.ep, num_experts, capacity_factor, codec=layer's codec)`; another transport
+    (row-wise NVSHMEM) plugs in here. Built for every layer before any layer changes.
     """
     ep, ep_rank = groups.layout.ep, groups.coords.ep_rank
     check_capacity_factor(capacity_factor)  # here too: with ep = 1 no dispatcher is built to check it
     layers = moe_layers(model)
     # Every layer is checked before any is changed: a refused one must not leave the earlier ones sliced.
-    dispatchers: list[AllToAllDispatcher | None] = []
+    dispatchers: list[TokenDispatcher | None] = []
     owners: dict[int, str] = {}
     for layer_name, layer in layers:
         if id(layer.experts) in owners:  # it would be sliced twice
@@ -75,7 +82,7 @@ def apply_expert_parallel(model: nn.Module, groups: ParallelGroups, capacity_fac
                                  f"expected num_experts={e} rows (one per expert)")
         # Capacity is a property of the all-to-all transport; the layer's payload codec (e.g. MXFP8 rows) moves to it.
         codec = getattr(layer.dispatcher, "codec", None)
-        dispatchers.append(AllToAllDispatcher(groups.ep, e, capacity_factor, codec=codec)
+        dispatchers.append(transport(groups.ep, e, capacity_factor, codec=codec)
                            if ep > 1 or capacity_factor > 0 else None)
     shards: dict[str, ExpertShard] = {}
     for (layer_name, layer), dispatcher in zip(layers, dispatchers):
