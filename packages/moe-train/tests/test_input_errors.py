@@ -58,7 +58,8 @@ def train_args(data, tmp_path, *more: str) -> list[str]:
     ("--train.threads=-1", "train.threads=-1: expected >= 0"),
     ("--data.path=null", "data.path='null': expected a string; this field cannot be null"),
     ("--train.run_dir=", "train.run_dir='': expected a non-empty path"),
-    ("--train.compile=true", "train.compile was removed: it was never read"),
+    ("--train.eval_batches=4", "train.eval_batches was removed: renamed to train.eval_windows"),
+    ("--train.compile=maybe", "train.compile='maybe': expected true or false"),
 ])
 def test_bad_override_exits_2_naming_field_value_and_expectation(override, message, capsys):
     assert message in error_line(capsys, ["info", override])
@@ -73,7 +74,7 @@ def test_bad_override_exits_2_naming_field_value_and_expectation(override, messa
     ("train:\n  run_dir:\n", "train.run_dir=None: expected a string; this field cannot be null"),
     ("data:\n  path: ~\n", "data.path=None: expected a string; this field cannot be null"),
     ("data:\n  path: [a, b]\n", "data.path=['a', 'b']: expected a string"),
-    ("train:\n  compile: false\n", "train.compile was removed"),
+    ("train:\n  eval_batches: 4\n", "train.eval_batches was removed"),
 ])
 def test_bad_yaml_exits_2_naming_the_field_or_the_file_and_line(text, message, tmp_path, capsys):
     path = tmp_path / "c.yaml"
@@ -109,9 +110,9 @@ def test_python_built_config_with_infinite_or_mistyped_values_is_refused():
 
 
 def test_a_stored_config_with_a_removed_field_still_loads():
-    """Checkpoints written before train.compile was removed hold it; export-hf reads their config."""
+    """Checkpoints written before train.eval_batches was renamed hold it; export-hf reads their config."""
     stored = build_config("tiny").to_dict()
-    stored["train"]["compile"] = False
+    stored["train"]["eval_batches"] = 4
     assert config_from_dict(stored).train.steps == 300
 
 

@@ -63,4 +63,6 @@ def cast_weight(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     already is `dtype` (bf16 resident weights)."""
     if w.dtype == dtype:
         return w
+    if torch.compiler.is_compiling():  # inductor writes its own cast both ways (the kernel would break the graph)
+        return w.to(dtype)
     return _CastWeight.apply(w, dtype)

@@ -66,6 +66,8 @@ def gemm_dtype(x: torch.Tensor, otherwise: torch.dtype) -> torch.dtype:
     device = x.device.type
     if not autocast_casts(otherwise):
         return otherwise
-    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+    # under torch.compile the device has autocast (cpu or cuda), and dynamo (torch 2.11) cannot trace the query
+    available = torch.compiler.is_compiling() or torch.amp.is_autocast_available(device)
+    if available and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return otherwise

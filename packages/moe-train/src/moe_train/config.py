@@ -126,6 +126,9 @@ class TrainConfig:
     autocast_bf16: bool = True  # bf16 autocast on GPU (never on CPU)
     # none | full (each block recomputed in backward) | mlp (each block's mlp_norm + MoE/SwiGLU recomputed)
     activation_checkpointing: str = "none"
+    # torch.compile each block's attention, its norms and a dense layer's SwiGLU, and the loss's cross-entropy;
+    # the MoE layers stay eager (their kernels are fused already). Compiled at the first step
+    compile: bool = False
     progress: bool = True
     threads: int = 0  # torch CPU threads; 0 = leave torch's default
     max_skipped_steps: int = 10  # consecutive non-finite steps before the run stops with an error
@@ -168,7 +171,6 @@ NONE_IS_A_VALUE = ("train.activation_checkpointing",)
 # Fields that no longer exist: a config that sets one is refused with the reason (configs stored in
 # older checkpoints still load; config_io drops these keys there).
 REMOVED_FIELDS = {
-    "train.compile": "it was never read (nothing was compiled); delete it from the config",
     "train.eval_batches": "renamed to train.eval_windows, the number of eval sequences (was eval_batches x micro_batch_size)",
 }
 
@@ -340,6 +342,8 @@ def validate(cfg: Config) -> Config:
     _choice("parallel.strategy", p.strategy, ("ddp", "fsdp"))
     _choice("parallel.param_dtype", p.param_dtype, ("fp32", "bf16"))
     if p.strategy == "fsdp":
+        _check(not t.compile, "train.compile", t.compile,
+               "false with parallel.strategy='fsdp' (the FSDP2 baseline runs eager; compile runs with 'ddp')")
         _check(t.save_interval == 0, "train.save_interval", t.save_interval,
                "0 with parallel.strategy='fsdp' (the FSDP2 baseline writes no checkpoints)")
         _check(p.ep == 1, "parallel.ep", p.ep, "1 with parallel.strategy='fsdp' (the dense-sharding baseline)")

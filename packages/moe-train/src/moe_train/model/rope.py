@@ -109,7 +109,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if rotary < x.shape[-1]:  # partial rotary: only the leading dims turn
         return torch.cat([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
     fused = (
-        triton is not None and triton_can_run_on(x) and x.dim() == 4 and x.shape[-1] % 2 == 0 and x.numel() > 0
+        # under torch.compile the reference's ops are what inductor fuses (the kernel would break the graph)
+        triton is not None and not torch.compiler.is_compiling() and triton_can_run_on(x) and x.dim() == 4 and x.shape[-1] % 2 == 0 and x.numel() > 0
         and x.dtype in (torch.float16, torch.bfloat16, torch.float32)  # the kernel computes in fp32: float64 is not
         and not (cos.requires_grad or sin.requires_grad)
         and cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 
 import torch
@@ -61,6 +62,19 @@ def _generator(seed: int, name: str, device: torch.device, expert: int | None = 
 IGNORED_TARGET = -100  # F.cross_entropy's default ignore_index, as transformers' labels use it
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of logits [..., V] in fp32 (float64 for float64 logits), -100 targets left out."""
+    return F.cross_entropy(logits.to(fp32_or_wider(logits.dtype)).reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           ignore_index=IGNORED_TARGET)
+
+
+@functools.cache
+def compiled_cross_entropy() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """cross_entropy under torch.compile (train.compile): the fp32 upcast of the logits fused into the loss and
+    its gradient instead of a [tokens, V] fp32 copy. Built once, at the first use."""
+    return torch.compile(cross_entropy)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None,
                  recipe: PrecisionRecipe | None = None):
@@ -73,6 +87,7 @@ class Transformer(nn.Module):
         # than heads) or failed deep inside a forward with a shape error.
         validate_model(cfg)
         self.cfg = cfg
+        self.compiled = False  # set_compile
         recipe = PrecisionRecipe(cfg.precision) if recipe is None else recipe
         with torch.device(device) if device is not None else nullcontext():
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -140,9 +155,24 @@ class Transformer(nn.Module):
         padding or a prompt not to be trained on (all of a batch's: NaN, as torch gives, and the trainer skips the
         step). Any other target outside [0, vocab_size) is an error."""
         logits, aux = self(tokens)
-        ce = F.cross_entropy(logits.to(fp32_or_wider(logits.dtype)).reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                             ignore_index=IGNORED_TARGET)
+        ce = (compiled_cross_entropy() if self.compiled else cross_entropy)(logits, targets)
         return ce, aux
+
+    def set_compile(self, enabled: bool) -> None:
+        """train.compile (set by the runtime): torch.compile each block's attention, its two norms and a dense
+        layer's SwiGLU, the final norm, and the loss's cross-entropy; the MoE layers and the residual adds stay
+        eager (the expert kernels are fused already, and routing runs custom kernels). Compiled at the first
+        forward; one graph per kind of module serves every layer (the parameters are graph inputs). Changes no
+        parameter, buffer or state_dict key; False undoes it."""
+        modules = [self.norm]
+        for block in self.blocks:
+            modules += [block.attn_norm, block.attn, block.mlp_norm] + ([] if block.is_moe else [block.mlp])
+        for module in modules:
+            if enabled:
+                module.compile()
+            else:
+                module._compiled_call_impl = None  # what nn.Module.compile sets; None is eager again
+        self.compiled = enabled
 
     def set_activation_checkpointing(self, mode: str) -> None:
         """What each block recomputes in backward instead of keeping for it (train.activation_checkpointing,

@@ -34,6 +34,7 @@ from moe_train.trainer.runtime import (
     is_meta,
     materialize,
     set_activation_checkpointing,
+    set_compile,
 )
 from moe_train.trainer.schedule import param_groups
 
@@ -66,6 +67,7 @@ class DistributedRuntime:
         p, t = self.cfg.parallel, self.cfg.train
         meta = is_meta(model)
         set_activation_checkpointing(model, self.cfg, self.device)  # every rank recomputes the same parts
+        set_compile(model, self.cfg)
         if p.strategy == "fsdp":
             model = materialize(model, self.device, t.seed) if meta else model.to(self.device)
             self._cast(model)

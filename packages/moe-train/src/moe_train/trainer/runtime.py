@@ -114,6 +114,16 @@ def set_activation_checkpointing(model: nn.Module, cfg: Config, device: torch.de
     model.set_activation_checkpointing(mode)
 
 
+def set_compile(model: nn.Module, cfg: Config) -> None:
+    """Hand train.compile to the model (a runtime's setup). A model without set_compile (not a Transformer)
+    trains only eager."""
+    if not hasattr(model, "set_compile"):
+        if cfg.train.compile:
+            raise ConfigError(f"train.compile=True: expected false for a {type(model).__name__} (it has no set_compile)")
+        return
+    model.set_compile(cfg.train.compile)
+
+
 class LocalRuntime:
     """One process, one device: plain AdamW over the model's fp32 parameters."""
 
@@ -133,6 +143,7 @@ class LocalRuntime:
         initialised from train.seed)."""
         t = self.cfg.train
         set_activation_checkpointing(model, self.cfg, self.device)
+        set_compile(model, self.cfg)
         self.model = materialize(model, self.device, t.seed) if is_meta(model) else model.to(self.device)
         self.optimizer = torch.optim.AdamW(
             param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
