@@ -75,6 +75,11 @@ def compiled_cross_entropy() -> Callable[[torch.Tensor, torch.Tensor], torch.Ten
     return torch.compile(cross_entropy)
 
 
+def _has_bad_target(targets: torch.Tensor, vocab_size: int) -> bool:
+    """targets hold an id outside [0, vocab_size) other than IGNORED_TARGET."""
+    return bool(((targets != IGNORED_TARGET) & ((targets < 0) | (targets >= vocab_size))).any())
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None,
                  recipe: PrecisionRecipe | None = None):
@@ -155,7 +160,10 @@ class Transformer(nn.Module):
         padding or a prompt not to be trained on (all of a batch's: NaN, as torch gives, and the trainer skips the
         step). Any other target outside [0, vocab_size) is an error."""
         logits, aux = self(tokens)
-        ce = (compiled_cross_entropy() if self.compiled else cross_entropy)(logits, targets)
+        # inductor's CPU kernel aborts the whole process on a target outside [0, V) (C++ terminate, nothing to catch):
+        # such a batch takes the eager loss, which raises IndexError naming it (on a GPU eager asserts as well)
+        compiled = self.compiled and not (targets.device.type == "cpu" and _has_bad_target(targets, logits.shape[-1]))
+        ce = (compiled_cross_entropy() if compiled else cross_entropy)(logits, targets)
         return ce, aux
 
     def set_compile(self, enabled: bool) -> None:
@@ -173,6 +181,13 @@ class Transformer(nn.Module):
             else:
                 module._compiled_call_impl = None  # what nn.Module.compile sets; None is eager again
         self.compiled = enabled
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy (copy.deepcopy, pickle, torch.save of the module) is compiled as its original was: nn.Module drops
+        what compile() set when it is copied, which left a copy saying compiled=True and running its modules eager."""
+        super().__setstate__(state)
+        if self.__dict__.setdefault("compiled", False):  # a module pickled before train.compile: eager
+            self.set_compile(True)
 
     def set_activation_checkpointing(self, mode: str) -> None:
         """What each block recomputes in backward instead of keeping for it (train.activation_checkpointing,
