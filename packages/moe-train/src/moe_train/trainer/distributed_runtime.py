@@ -33,8 +33,7 @@ from moe_train.trainer.runtime import (
     StepResult,
     is_meta,
     materialize,
-    set_activation_checkpointing,
-    set_compile,
+    set_training_choices,
 )
 from moe_train.trainer.schedule import param_groups
 
@@ -66,8 +65,7 @@ class DistributedRuntime:
     def setup(self, model: nn.Module) -> nn.Module:
         p, t = self.cfg.parallel, self.cfg.train
         meta = is_meta(model)
-        set_activation_checkpointing(model, self.cfg, self.device)  # every rank recomputes the same parts
-        set_compile(model, self.cfg)
+        set_training_choices(model, self.cfg)  # every rank recomputes and compiles the same parts
         if p.strategy == "fsdp":
             model = materialize(model, self.device, t.seed) if meta else model.to(self.device)
             self._cast(model)

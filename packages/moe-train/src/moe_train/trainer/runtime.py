@@ -102,26 +102,20 @@ def materialize(model: nn.Module, device: torch.device, seed: int, expert_row_of
     return model
 
 
-def set_activation_checkpointing(model: nn.Module, cfg: Config, device: torch.device) -> None:
-    """Hand train.activation_checkpointing to the model (a runtime's setup, before any memory is allocated).
-    A model without set_activation_checkpointing (not a Transformer) trains only with "none"."""
-    mode = cfg.train.activation_checkpointing
-    if not hasattr(model, "set_activation_checkpointing"):
-        if mode != "none":
-            raise ConfigError(f"train.activation_checkpointing={mode!r}: expected 'none' for a {type(model).__name__} "
-                              "(it has no set_activation_checkpointing)")
-        return
-    model.set_activation_checkpointing(mode)
-
-
-def set_compile(model: nn.Module, cfg: Config) -> None:
-    """Hand train.compile to the model (a runtime's setup). A model without set_compile (not a Transformer)
-    trains only eager."""
-    if not hasattr(model, "set_compile"):
-        if cfg.train.compile:
-            raise ConfigError(f"train.compile=True: expected false for a {type(model).__name__} (it has no set_compile)")
-        return
-    model.set_compile(cfg.train.compile)
+def set_training_choices(model: nn.Module, cfg: Config) -> None:
+    """Hand the model the training-runtime choices it carries out itself (a runtime's setup, before any memory is
+    allocated): train.activation_checkpointing and train.compile. A model without the setter (not a Transformer)
+    trains only with the default."""
+    t = cfg.train
+    for setter, name, value, default in (
+        ("set_activation_checkpointing", "activation_checkpointing", t.activation_checkpointing, "none"),
+        ("set_compile", "compile", t.compile, False),
+    ):
+        if hasattr(model, setter):
+            getattr(model, setter)(value)
+        elif value != default:
+            raise ConfigError(f"train.{name}={value!r}: expected {default!r} for a {type(model).__name__} "
+                              f"(it has no {setter})")
 
 
 class LocalRuntime:
@@ -142,8 +136,7 @@ class LocalRuntime:
         """model: built (moved to the device), or on the meta device (materialised there and
         initialised from train.seed)."""
         t = self.cfg.train
-        set_activation_checkpointing(model, self.cfg, self.device)
-        set_compile(model, self.cfg)
+        set_training_choices(model, self.cfg)
         self.model = materialize(model, self.device, t.seed) if is_meta(model) else model.to(self.device)
         self.optimizer = torch.optim.AdamW(
             param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
