@@ -82,6 +82,15 @@ def results_or_fail(runs: list[tuple[dict, int | None, bool]], deadline_s: float
     return [res for res, _, _ in runs]
 
 
+def results_without_errors(test_file: str, world: int, out_dir: Path, deadline_s: float, *lead_args,
+                           entry: str = "_entry") -> list[dict]:
+    """spawn + results_or_fail, asserting that no rank saved an error (run_gloo_rank's {"error", "traceback"})."""
+    results = results_or_fail(spawn(test_file, world, out_dir, deadline_s, *lead_args, entry=entry), deadline_s)
+    for rank, res in enumerate(results):
+        assert "error" not in res, f"rank {rank}: {res.get('error')}\n{res.get('traceback')}"
+    return results
+
+
 def run_gloo_rank(rank: int, port: int, out_dir: str, world: int, timeout_s: float,
                   cases: Callable[[int], dict]) -> None:
     """An `_entry` body: join gloo on 127.0.0.1:port (collectives time out after timeout_s), save cases(rank)

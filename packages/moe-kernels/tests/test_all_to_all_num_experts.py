@@ -50,9 +50,8 @@ def _cases(rank: int) -> dict:
 
 @pytest.mark.slow
 def test_ep_ranks_with_different_num_experts_raise_on_every_rank(tmp_path):
-    results = kernels_spawn.results_or_fail(kernels_spawn.spawn(__file__, WORLD, tmp_path, DEADLINE_S), DEADLINE_S)
+    results = kernels_spawn.results_without_errors(__file__, WORLD, tmp_path, DEADLINE_S)
     for rank, res in enumerate(results):
-        assert "error" not in res, f"rank {rank}: {res.get('error')}\n{res.get('traceback')}"
         text = res["mismatched"]
         assert text.startswith("ValueError: EP ranks disagree on the experts they split"), (rank, text)
         assert "EP rank 0: num_experts=4; EP rank 1: num_experts=8" in text, (rank, text)

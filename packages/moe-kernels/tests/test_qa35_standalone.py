@@ -124,10 +124,9 @@ def _other_num_experts_on_rank1(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_route_map_over_another_num_experts_on_one_rank_raises_on_every_rank(tmp_path):
-    runs = kernels_spawn.spawn(__file__, WORLD, tmp_path, DEADLINE_S, entry="_other_num_experts_on_rank1")
-    results = kernels_spawn.results_or_fail(runs, DEADLINE_S)
+    results = kernels_spawn.results_without_errors(__file__, WORLD, tmp_path, DEADLINE_S,
+                                                   entry="_other_num_experts_on_rank1")
     for r, res in enumerate(results):
-        assert "error" not in res, f"rank {r}:\n{res['error']}"
         assert res["bad"].startswith("ValueError"), f"rank {r}: {res['bad']}"
         assert res["seconds"] < 10, f"rank {r} waited {res['seconds']:.1f} s (in the count exchange?)"
         assert res["then_good"] == D

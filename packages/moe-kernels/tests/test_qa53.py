@@ -155,10 +155,7 @@ def _entry(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out_dir: Path = tmp_path_factory.mktemp("qa53")
-    results = kernels_spawn.results_or_fail(kernels_spawn.spawn(__file__, WORLD, out_dir, DEADLINE_S), DEADLINE_S)
-    for r, res in enumerate(results):
-        assert "error" not in res, f"rank {r}: {res.get('error')}\n{res.get('traceback')}"
-    return results
+    return kernels_spawn.results_without_errors(__file__, WORLD, out_dir, DEADLINE_S)
 
 
 @pytest.mark.parametrize(("case", "tol"), [("two_layers_plain", 1e-5), ("two_layers_non_reentrant", 1e-5),

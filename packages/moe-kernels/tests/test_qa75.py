@@ -329,11 +329,7 @@ def _entry(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    runs = kernels_spawn.spawn(__file__, WORLD, tmp_path_factory.mktemp("qa75"), DEADLINE_S)
-    results = kernels_spawn.results_or_fail(runs, DEADLINE_S)
-    for rank, res in enumerate(results):
-        assert "error" not in res, f"rank {rank}: {res.get('error')}\n{res.get('traceback')}"
-    return results
+    return kernels_spawn.results_without_errors(__file__, WORLD, tmp_path_factory.mktemp("qa75"), DEADLINE_S)
 
 
 @pytest.mark.slow
