@@ -6,12 +6,16 @@ out of the graphs (no graph break), and the layers share their graphs.
 Run on the device: PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python3 -m pytest -m gpu packages/moe-train/tests/test_compile_gpu.py
 """
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
-from torch._dynamo.utils import counters
-
+from conftest import small_config
 from moe_train.config import ModelConfig, RouterConfig
 from moe_train.model import Transformer
+from moe_train.trainer.loop import Trainer
+from torch._dynamo.utils import counters
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -74,3 +78,48 @@ def test_compiled_model_is_as_accurate_as_eager_under_bf16_autocast(num_layers):
     assert not counters["graph_break"], dict(counters["graph_break"])
     graphs = counters["stats"]["unique_graphs"]
     assert 0 < graphs <= 8, graphs  # attention, two norms, dense SwiGLU, final norm, cross-entropy: not per layer
+
+
+@pytest.mark.parametrize("mode", ["full", "mlp"])
+def test_compiled_model_under_activation_checkpointing_gives_eager_fp32_gradients(mode):
+    """The recompute in backward runs the compiled modules again (and the MoE layers' kernels): fp32, the same
+    checkpointed model eager and compiled, every gradient to fp32 rounding, and both as the model without it."""
+    model, tokens = model_and_tokens(3)
+    plain_loss, plain = loss_and_grads(model, tokens, bf16=False)
+    model.set_activation_checkpointing(mode)
+    eager_loss, eager = loss_and_grads(model, tokens, bf16=False)
+    model.set_compile(True)
+    try:
+        fast_loss, fast = loss_and_grads(model, tokens, bf16=False)
+    finally:
+        model.set_compile(False)
+        model.set_activation_checkpointing("none")
+    assert abs(eager_loss - plain_loss) <= 1e-6 * abs(plain_loss)
+    assert abs(fast_loss - eager_loss) <= 1e-5 * abs(eager_loss)
+    for name, g in plain.items():
+        assert rel(eager[name], g) <= 1e-5, (name, rel(eager[name], g))
+        assert rel(fast[name], g) <= 1e-3, (name, rel(fast[name], g))
+
+
+def test_trainer_compiled_on_the_gpu_resumes_onto_its_straight_run(tmp_path, data_dir):
+    """The Trainer on the GPU (bf16 autocast) with train.compile, activation checkpointing and evals: 4 steps straight,
+    and 2 steps + a new Trainer resuming from the step-2 checkpoint, log the same losses; an eager run logs losses
+    within bf16 rounding of them. A constant learning rate, so the 2-step run's schedule is the 4-step run's."""
+    def run(name: str, compile_: bool, steps: int) -> list[float]:
+        cfg = small_config(tmp_path / name, steps=steps, save_interval=2, eval_interval=2, warmup_steps=1,
+                           lr_schedule="constant", log_interval=1, grad_accum=1, device="cuda", compile=compile_,
+                           activation_checkpointing="mlp")
+        cfg.data.path = str(data_dir)
+        Trainer(cfg).train()
+        log = Path(cfg.train.run_dir) / "metrics.jsonl"
+        return [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if "loss" in r]
+
+    straight = run("straight", True, 4)
+    run("resumed", True, 2)
+    resumed = run("resumed", True, 4)
+    eager = run("eager", False, 4)
+    assert len(straight) == len(resumed) == len(eager) == 4
+    for a, b in zip(resumed, straight):
+        assert abs(a - b) <= 1e-4 * abs(b), (resumed, straight)
+    for a, b in zip(straight, eager):
+        assert abs(a - b) <= 2e-2 * abs(b), (straight, eager)

@@ -181,18 +181,21 @@ class Trainer:
         rounds = -(-len(batches) // rt.dp_size)
         total = torch.zeros(2, device=self.device)  # sum of batch-mean losses x scored targets, scored targets
         self.model.eval()
-        for i in range(rounds):
-            index = rt.dp_rank + i * rt.dp_size
-            x, y = batches[index] if index < len(batches) else batches[rt.dp_rank % len(batches)]
-            y = y.to(self.device)
-            with self._amp():
-                ce, _ = self.model.loss(x.to(self.device), y)
-            if index < len(batches):
-                # weighted by the targets the batch scores (a -100 target is left out of ce's mean), so the result is
-                # the token-weighted mean whatever the batching; a batch of only -100 (ce NaN) adds nothing
-                scored = (y != IGNORED_TARGET).sum().float()
-                total[0] += torch.where(scored > 0, ce.float() * scored, 0.0)
-                total[1] += scored
+        # random routing draws from a copy of the generators here: how often a run evaluates leaves its training
+        # draws, losses and weights as they are
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [], device_type="cuda"):
+            for i in range(rounds):
+                index = rt.dp_rank + i * rt.dp_size
+                x, y = batches[index] if index < len(batches) else batches[rt.dp_rank % len(batches)]
+                y = y.to(self.device)
+                with self._amp():
+                    ce, _ = self.model.loss(x.to(self.device), y)
+                if index < len(batches):
+                    # weighted by the targets the batch scores (a -100 target is left out of ce's mean), so the result
+                    # is the token-weighted mean whatever the batching; a batch of only -100 (ce NaN) adds nothing
+                    scored = (y != IGNORED_TARGET).sum().float()
+                    total[0] += torch.where(scored > 0, ce.float() * scored, 0.0)
+                    total[1] += scored
         self.model.train()
         total = rt.all_reduce_sum(total).tolist()
         return total[0] / total[1] if total[1] else float("nan")
