@@ -190,12 +190,12 @@ def _check_plan_search(torch, moe):
         # one timing round: every plan still runs (warm-up and one timed call), and the interpreter
         # is slow per block (three rounds took ~150-270 s of the 300 s budget on 2 loaded cores)
         expert_ffn._PLAN_ROUNDS = 1
-        assert isinstance(expert_ffn._time_plans(x, w1, w2, rm.offsets, rm), BlockPlan)
+        assert isinstance(expert_ffn._time_plans(x, w1, w2, rm.offsets, (rm.sort_order, rm.dest_row, rm.top_k)), BlockPlan)
         assert isinstance(expert_ffn._time_plans(x[rm.source_token], w1, w2, rm.offsets, None), BlockPlan)
         triton.testing.do_bench = out_of_memory
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            assert expert_ffn._time_plans(x, w1, w2, rm.offsets, rm) is ALL_TRITON
+            assert expert_ffn._time_plans(x, w1, w2, rm.offsets, (rm.sort_order, rm.dest_row, rm.top_k)) is ALL_TRITON
         assert any("out of memory" in str(w.message) for w in caught)
     finally:
         triton.testing.do_bench, expert_ffn._PLAN_ROUNDS = saved, saved_rounds

@@ -143,39 +143,40 @@ def _plan(
         return ffn_kernels.ALL_TRITON
     if backend == "torch":
         return ffn_kernels.ALL_GROUPED_MM if mm_ok else None
-    top_k = route_map.top_k if route_map is not None else 1
+    if torch.compiler.is_compiling():  # the trace has no data to time: the block op picks the plan when it runs
+        return "auto"
+    routing = (route_map.sort_order, route_map.dest_row, route_map.top_k) if route_map is not None else None
+    return auto_plan(x, w_gate_up, w_down, offsets, routing)
+
+
+def auto_plan(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, offsets: torch.Tensor,
+              routing: tuple[torch.Tensor, torch.Tensor, int] | None):
+    """backend="auto"'s BlockPlan for these operands (routing: (sort_order, dest_row, top_k), or None for rows
+    already in expert order): cached per shape, else timed on them and cached. All-Triton, uncached, inside a
+    CUDA-graph capture or on inference tensors. The timing runs the block's forward and backward functions
+    directly, outside autograd: whatever the caller's autograd state (no_grad, activation checkpointing's
+    saved-tensor hooks, a custom op's below-autograd dispatch), nothing of its graph is touched."""
+    from moe_kernels.triton import ffn_kernels
     from moe_kernels.triton.tuning import rows_bucket
 
-    key = (rows_bucket(x.shape[0]), tuple(w_gate_up.shape), top_k, x.dtype, route_map is not None)
+    top_k = routing[2] if routing is not None else 1
+    key = (rows_bucket(x.shape[0]), tuple(w_gate_up.shape), top_k, x.dtype, routing is not None)
     plan = _PLANS.get(key)
     if plan is None:
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if capturing or torch.is_inference_mode_enabled() or _has_inference_tensor(x, w_gate_up, w_down, offsets, route_map):
+        routing_tensors = list(routing[:2]) if routing is not None else []
+        if capturing or torch.is_inference_mode_enabled() or any(
+            t.is_inference() for t in (x, w_gate_up, w_down, offsets, *routing_tensors)
+        ):
             # no timing inside a capture, nor on inference tensors (made under inference_mode, maybe used
-            # outside it: they cannot enter the timing's backwards); not cached: the next call times the plans
+            # outside it); not cached: the next call times the plans
             return ffn_kernels.ALL_TRITON
-        # The timing runs forward+backward passes of its own, whatever the caller's autograd state: under
-        # no_grad (an eval before the first training step) and inside activation checkpointing, whose
-        # saved-tensor hooks would otherwise rerun the caller's checkpointed region at every timed backward.
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
-            plan = _time_plans(x, w_gate_up, w_down, offsets, route_map, key)
+        plan = _time_plans(x, w_gate_up, w_down, offsets, routing, key)
         _PLANS[key] = plan
     return plan
 
 
-def _has_inference_tensor(x, w_gate_up, w_down, offsets, route_map) -> bool:
-    tensors = [x, w_gate_up, w_down, offsets]
-    if route_map is not None:
-        tensors += [route_map.sort_order, route_map.dest_row]
-    return any(t.is_inference() for t in tensors)
-
-
-def _keep(t: torch.Tensor) -> torch.Tensor:
-    """The saved-tensor hook that keeps a tensor as it is (plan timing's own graphs)."""
-    return t
-
-
-def _time_plans(x, w_gate_up, w_down, offsets, route_map, key=None):
+def _time_plans(x, w_gate_up, w_down, offsets, routing, key=None):
     """The GEMM-by-GEMM plan from timing each GEMM alone, all-Triton and all-grouped_mm seed a
     local search timed on the whole block forward+backward (plan_search): GEMMs timed alone do
     not always add up (L2 reuse, launch gaps, clocks under a power cap), so the whole block
@@ -185,7 +186,7 @@ def _time_plans(x, w_gate_up, w_down, offsets, route_map, key=None):
     from moe_kernels.triton import ffn_kernels
 
     try:
-        return _fastest_plan(x, w_gate_up, w_down, offsets, route_map, key)
+        return _fastest_plan(x, w_gate_up, w_down, offsets, routing, key)
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
         warnings.warn(
@@ -195,28 +196,27 @@ def _time_plans(x, w_gate_up, w_down, offsets, route_map, key=None):
         return ffn_kernels.ALL_TRITON
 
 
-def _fastest_plan(x, w_gate_up, w_down, offsets, route_map, key=None):
+def _fastest_plan(x, w_gate_up, w_down, offsets, routing, key=None):
     import triton.testing
 
-    from moe_kernels.triton import ffn_kernels
+    from moe_kernels.triton import dense_rows, ffn_kernels
 
-    rm = route_map
-    by_gemm = ffn_kernels.tune_block_plan(
-        x.detach(), w_gate_up.detach(), w_down.detach(), offsets,
-        rm.sort_order if rm is not None else None, rm.dest_row if rm is not None else None, rm.top_k if rm is not None else 1,
-    )
+    sort_order, dest_row, top_k = routing if routing is not None else (None, None, 1)
+    x, w1, w2 = dense_rows(x.detach()), w_gate_up.detach(), w_down.detach()  # views: no copies
+    by_gemm = ffn_kernels.tune_block_plan(x, w1, w2, offsets, sort_order, dest_row, top_k)
     gen = torch.Generator(device=x.device).manual_seed(0)
-    leaves = [t.detach().requires_grad_() for t in (x, w_gate_up, w_down)]  # views: no copies
     grad = torch.randn(x.shape, device=x.device, generator=gen).to(x.dtype)
-    if rm is not None:
-        leaves.append(torch.rand(rm.num_tokens, rm.top_k, device=x.device, generator=gen).requires_grad_())
+    weights = None
+    if routing is not None:
+        weights = torch.rand(x.shape[0], top_k, device=x.device, generator=gen)
+    every_gradient = (True, True, True, True)
 
     def step(plan):
-        if rm is None:
-            out = ffn_kernels.swiglu_ffn_sorted(leaves[0], leaves[1], leaves[2], offsets, plan)
-        else:
-            out = ffn_kernels.swiglu_ffn_routed(leaves[0], leaves[3], leaves[1], leaves[2], offsets, rm.sort_order, rm.dest_row, plan)
-        torch.autograd.grad(out, leaves, grad)
+        out, xs, pre, act, y = ffn_kernels.block_forward(x, weights, w1, w2, offsets, sort_order, dest_row, top_k, plan)
+        if routing is None:
+            xs, y = x, out
+        ffn_kernels.block_backward(grad, x, xs, weights, w1, w2, offsets, sort_order, dest_row, pre, act, y,
+                                   routing is not None, top_k, plan, every_gradient)
 
     warmed: set = set()
 
@@ -234,7 +234,7 @@ def _fastest_plan(x, w_gate_up, w_down, offsets, route_map, key=None):
         return {plan: sorted(t)[len(t) // 2] for plan, t in times.items()}
 
     options = dict(ffn_kernels.PLAN_OPTIONS)
-    if rm is None:  # rows already in order: fwd1 "triton" would run "fused" again
+    if routing is None:  # rows already in order: fwd1 "triton" would run "fused" again
         options["fwd1"] = tuple(o for o in options["fwd1"] if o != "triton")
     best, seen = search_plan([by_gemm, ffn_kernels.ALL_TRITON, ffn_kernels.ALL_GROUPED_MM], measure, options, _PLAN_MIN_GAIN)
     _PLAN_SEARCH_MS[key] = seen

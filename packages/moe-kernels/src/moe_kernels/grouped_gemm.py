@@ -159,6 +159,10 @@ def grouped_gemm(
     if 0 in (x.shape[1], w.shape[2]):  # K or M empty: grouped_mm and the triton kernels refuse it; zeros here
         return _per_expert_loop(x, w, offsets)
     if triton:
+        if torch.compiler.is_compiling():
+            from moe_kernels.triton.compile_ops import grouped_gemm as grouped_gemm_op
+
+            return grouped_gemm_op(x.contiguous(), w, offsets)
         from moe_kernels.triton.grouped_gemm_kernels import GroupedGemmFn
 
         return GroupedGemmFn.apply(x.contiguous(), w, offsets)

@@ -58,6 +58,10 @@ def permute(x: torch.Tensor, route_map: RouteMap, backend: RowBackend = "auto") 
     """
     check_token_rows(x, route_map)
     if use_triton(backend, x):
+        if torch.compiler.is_compiling():
+            from moe_kernels.triton.compile_ops import permute_rows
+
+            return permute_rows(x, route_map.dest_row, route_map.top_k)
         from moe_kernels.triton.permute_kernels import PermuteFn
 
         return PermuteFn.apply(x, route_map.dest_row, route_map.top_k)
@@ -83,6 +87,10 @@ def combine(
     check_router_weights(weights, expert_out, route_map)
     check_route_map_device(route_map, expert_out, "expert_out")
     if use_triton(backend, expert_out):
+        if torch.compiler.is_compiling():
+            from moe_kernels.triton.compile_ops import combine_rows
+
+            return combine_rows(expert_out, route_map.dest_row, route_map.top_k, weights)
         from moe_kernels.triton.permute_kernels import CombineFn
 
         return CombineFn.apply(expert_out, route_map.dest_row, weights)

@@ -213,7 +213,10 @@ def build_route_map(expert_ids: torch.Tensor, num_experts: int, backend: RouteMa
     if expert_ids.device.type == "cpu":
         _check_ids_on_host(expert_ids, num_experts)
     if use_triton(backend, expert_ids):
-        from moe_kernels.triton.route_map_kernels import route_map_tensors
+        if torch.compiler.is_compiling():
+            from moe_kernels.triton.compile_ops import route_map as route_map_tensors
+        else:
+            from moe_kernels.triton.route_map_kernels import route_map_tensors
 
         counts, offsets, sort_order, dest_row, ids_ok = route_map_tensors(expert_ids, num_experts)
         if ids_ok.is_cuda:  # on the CPU (interpreter) the host check above has run

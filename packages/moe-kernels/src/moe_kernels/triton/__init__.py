@@ -12,6 +12,7 @@ import functools
 import torch
 
 
+@torch.compiler.assume_constant_result  # for torch.compile, which does not trace through functools.cache
 @functools.cache
 def triton_available() -> bool:
     try:
@@ -28,6 +29,7 @@ def triton_runs_on(t: torch.Tensor) -> bool:
     return t.is_cuda and triton_available()
 
 
+@torch.compiler.assume_constant_result  # torch.compile cannot trace triton's knob (an environment read)
 def _triton_interprets() -> bool:
     """Whether triton runs kernels in its CPU interpreter (its own setting, read through triton)."""
     import triton
@@ -108,7 +110,8 @@ def at_own_dtype(t: torch.Tensor) -> contextlib.AbstractContextManager:
     says: every op here computes in the dtype it is given, as the triton kernels (which autocast
     never touches) do. Under autocast a per-expert `x @ w` would return bf16 rows that then meet
     the fp32 weights of the next GEMM, and combine's fp32 sum would run as a bf16 bmm."""
-    if torch.amp.is_autocast_available(t.device.type):
+    # (torch.compile cannot trace the availability check in torch 2.11; it traces only devices that have autocast)
+    if torch.compiler.is_compiling() or torch.amp.is_autocast_available(t.device.type):
         return torch.autocast(t.device.type, enabled=False)
     return contextlib.nullcontext()
 

@@ -93,25 +93,7 @@ class SwigluFFNFn(torch.autograd.Function):
     def forward(x, weights, w1, w2, offsets, sort_order, dest_row, top_k, plan):
         """x: [T, d] (routed) or [N, d] (sorted rows), row-major (`dense_rows`); w1: [E, d, 2h]; w2: [E, h, d]."""
         refuse_dual_inputs("SwigluFFNFn", (x, weights, w1, w2))
-        routed = dest_row is not None
-        n_rows = sort_order.shape[0] if routed else x.shape[0]
-        h = w2.shape[1]
-        xs = scatter_rows(x, dest_row, top_k) if routed and plan.needs_sorted_rows else (None if routed else x)
-        if plan.fwd1 != "grouped_mm":
-            gathered = routed and plan.fwd1 == "fused"
-            pre = torch.empty(n_rows, 2 * h, dtype=x.dtype, device=x.device)
-            act = torch.empty(n_rows, h, dtype=x.dtype, device=x.device)
-            grouped_gemm_launch(
-                x if gathered else xs, w1, offsets, out_cols=h, c=act, gather=sort_order if gathered else None,
-                top_k=top_k, epilogue=1, aux=pre, swiglu_h=h,
-            )
-        else:
-            pre = gemm(xs, w1, offsets, "grouped_mm")
-            act = swiglu_forward(pre)
-        y = gemm(act, w2, offsets, plan.fwd2)
-        if routed:
-            return gather_sum(y, dest_row, top_k, weights), xs, pre, act, y
-        return y, None, pre, act, None
+        return block_forward(x, weights, w1, w2, offsets, sort_order, dest_row, top_k, plan)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -130,7 +112,7 @@ class SwigluFFNFn(torch.autograd.Function):
     def backward(ctx, g, *intermediates):
         if g is None:
             return (None,) * 9
-        grads = run_backward("SwigluFFNFn", _ffn_backward, g, *ctx.saved_tensors, ctx.routed, ctx.top_k, ctx.plan,
+        grads = run_backward("SwigluFFNFn", block_backward, g, *ctx.saved_tensors, ctx.routed, ctx.top_k, ctx.plan,
                              tuple(ctx.needs_input_grad[:4]))
         return (*grads, None, None, None, None, None)
 
@@ -139,7 +121,31 @@ class SwigluFFNFn(torch.autograd.Function):
         return vmap_by_loop(info, in_dims, lambda x, *rest: SwigluFFNFn.apply(dense_rows(x), *rest), *args)
 
 
-def _ffn_backward(g, x, xs, weights, w1, w2, offsets, sort_order, dest_row, pre, act, y, routed, k, plan, needs):
+def block_forward(x, weights, w1, w2, offsets, sort_order, dest_row, top_k, plan):
+    """The block's forward by `plan`: (out, xs, pre, act, y), the intermediates None where they are an input or
+    `out` itself (see SwigluFFNFn)."""
+    routed = dest_row is not None
+    n_rows = sort_order.shape[0] if routed else x.shape[0]
+    h = w2.shape[1]
+    xs = scatter_rows(x, dest_row, top_k) if routed and plan.needs_sorted_rows else (None if routed else x)
+    if plan.fwd1 != "grouped_mm":
+        gathered = routed and plan.fwd1 == "fused"
+        pre = torch.empty(n_rows, 2 * h, dtype=x.dtype, device=x.device)
+        act = torch.empty(n_rows, h, dtype=x.dtype, device=x.device)
+        grouped_gemm_launch(
+            x if gathered else xs, w1, offsets, out_cols=h, c=act, gather=sort_order if gathered else None,
+            top_k=top_k, epilogue=1, aux=pre, swiglu_h=h,
+        )
+    else:
+        pre = gemm(xs, w1, offsets, "grouped_mm")
+        act = swiglu_forward(pre)
+    y = gemm(act, w2, offsets, plan.fwd2)
+    if routed:
+        return gather_sum(y, dest_row, top_k, weights), xs, pre, act, y
+    return y, None, pre, act, None
+
+
+def block_backward(g, x, xs, weights, w1, w2, offsets, sort_order, dest_row, pre, act, y, routed, k, plan, needs):
     """(gx, g_weights, g_w1, g_w2) of the block, the gradients `needs` asks for (g_weights when routed)."""
     g = dense_rows(g)  # an empty g from out.sum() has stride 0, which grouped_mm refuses
     gw = None
@@ -167,13 +173,22 @@ def _ffn_backward(g, x, xs, weights, w1, w2, offsets, sort_order, dest_row, pre,
     return gx, gw, gw1, gw2
 
 
-def swiglu_ffn_sorted(x_sorted, w_gate_up, w_down, offsets, plan: BlockPlan = ALL_TRITON):
-    """x_sorted: [N, d] in expert order -> [N, d]."""
+def swiglu_ffn_sorted(x_sorted, w_gate_up, w_down, offsets, plan: BlockPlan | str = ALL_TRITON):
+    """x_sorted: [N, d] in expert order -> [N, d]. `plan` "auto" (under torch.compile only): chosen when it runs."""
+    if torch.compiler.is_compiling():
+        from moe_kernels.triton.compile_ops import plan_name, swiglu_block
+
+        return swiglu_block(dense_rows(x_sorted), None, w_gate_up, w_down, offsets, None, None, 1, plan_name(plan))[0]
     return SwigluFFNFn.apply(dense_rows(x_sorted), None, w_gate_up, w_down, offsets, None, None, 1, plan)[0]
 
 
-def swiglu_ffn_routed(x, weights, w_gate_up, w_down, offsets, sort_order, dest_row, plan: BlockPlan = ALL_TRITON):
+def swiglu_ffn_routed(x, weights, w_gate_up, w_down, offsets, sort_order, dest_row, plan: BlockPlan | str = ALL_TRITON):
     """x: [T, d], weights: [T, k] -> [T, d]: gather, expert SwiGLU FFN and weighted combine."""
+    if torch.compiler.is_compiling():
+        from moe_kernels.triton.compile_ops import plan_name, swiglu_block
+
+        return swiglu_block(dense_rows(x), weights, w_gate_up, w_down, offsets, sort_order, dest_row,
+                            weights.shape[1], plan_name(plan))[0]
     return SwigluFFNFn.apply(dense_rows(x), weights, w_gate_up, w_down, offsets, sort_order, dest_row, weights.shape[1], plan)[0]
 
 

@@ -422,14 +422,14 @@ class GroupedGemmFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x, w, offsets = ctx.saved_tensors
-        return run_backward("GroupedGemmFn", _grouped_gemm_backward, gy, x, w, offsets, tuple(ctx.needs_input_grad[:2]))
+        return run_backward("GroupedGemmFn", grouped_gemm_backward, gy, x, w, offsets, tuple(ctx.needs_input_grad[:2]))
 
     @staticmethod
     def vmap(info, in_dims, x, w, offsets):
         return vmap_by_loop(info, in_dims, lambda x, w, o: GroupedGemmFn.apply(x.contiguous(), w, o), x, w, offsets)
 
 
-def _grouped_gemm_backward(gy, x, w, offsets, needs):
+def grouped_gemm_backward(gy, x, w, offsets, needs):
     """(gx, gw, None) for GroupedGemmFn, gradients only where `needs` asks."""
     gy = gy.contiguous()
     gx = gw = None
