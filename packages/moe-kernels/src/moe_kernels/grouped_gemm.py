@@ -42,7 +42,8 @@ def checked_offsets(offsets: torch.Tensor, num_rows: int, device: torch.device, 
     if offsets.device.type == "cpu" and torch.compiler.is_compiling():  # a traced graph cannot branch on data
         steps = torch.diff(offsets, prepend=offsets.new_zeros(1))
         ends_ok = (steps >= 0).all() & (offsets[-1:] == num_rows).all() if num_experts else num_rows == 0
-        torch._assert_async(torch.as_tensor(ends_ok), f"offsets must be non-decreasing cumulative row ends from 0 that end at the number of rows, {num_rows}")
+        # (the message names no row count: formatting a symbolic one would specialise a dynamic shape)
+        torch._assert_async(torch.as_tensor(ends_ok), "offsets must be non-decreasing cumulative row ends from 0 that end at the number of rows")
     elif offsets.device.type == "cpu":
         _check_ends(offsets.tolist(), num_rows)
     # the kernels read the offsets as a flat array (a strided view would give wrong experts), and

@@ -40,7 +40,8 @@ def check_token_rows(x: torch.Tensor, route_map: RouteMap) -> None:
 def check_router_weights(weights: torch.Tensor, x: torch.Tensor, route_map: RouteMap) -> None:
     """weights: [T, k] floating point on x's device (any float dtype: fp32 weights with bf16 rows
     are the usual mix; the sum accumulates in fp32 or wider)."""
-    require_tensor("router weights", weights, f"[T={route_map.num_tokens}, k={route_map.top_k}]")
+    if not isinstance(weights, torch.Tensor):  # formatted only to raise: under torch.compile T may be symbolic
+        require_tensor("router weights", weights, f"[T={route_map.num_tokens}, k={route_map.top_k}]")
     if tuple(weights.shape) != (route_map.num_tokens, route_map.top_k):
         raise ValueError(
             f"weights shape {tuple(weights.shape)} != (T, k)=({route_map.num_tokens}, {route_map.top_k})"

@@ -112,8 +112,10 @@ _TENSOR_FIELDS = ("counts", "offsets", "sort_order", "dest_row")
 _INDEX_FIELDS = ("offsets", "sort_order", "dest_row")  # what the kernels index with
 
 
-def _host_int(name: str, value: Any) -> int:
+def _host_int(name: str, value: Any) -> int | torch.SymInt:
     """A count known on the host as a plain int (a Python or numpy integer, or a 0-dim integer tensor)."""
+    if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
+        return value  # (under torch.compile a symbolic size; operator.index would specialise it to one number)
     if not isinstance(value, bool):
         try:
             return operator.index(value)

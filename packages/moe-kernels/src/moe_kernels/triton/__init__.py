@@ -12,9 +12,13 @@ import functools
 import torch
 
 
-@torch.compiler.assume_constant_result  # for torch.compile, which does not trace through functools.cache
-@functools.cache
+@torch.compiler.assume_constant_result  # torch.compile takes the answer as a constant instead of tracing the import
 def triton_available() -> bool:
+    return _triton_imports()
+
+
+@functools.cache
+def _triton_imports() -> bool:
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401
