@@ -33,6 +33,15 @@ def loss_and_grads(model, tokens, bf16):
     return float(ce), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def compiled_loss_and_grads(model, tokens, bf16):
+    """loss_and_grads with the model compiled, left eager again afterwards."""
+    model.set_compile(True)
+    try:
+        return loss_and_grads(model, tokens, bf16)
+    finally:
+        model.set_compile(False)
+
+
 def model_and_tokens(num_layers: int, routing: str = "learned"):
     cfg = ModelConfig(vocab_size=1000, d_model=256, num_layers=num_layers, num_heads=4, num_kv_heads=2, qk_norm=True,
                       rotary_fraction=0.5, dense_hidden=512, dense_layers=[0], num_experts=16, expert_hidden=128,
@@ -46,11 +55,7 @@ def test_compiled_model_gives_eager_fp32_loss_and_gradients():
     flip with it; at this size none does)."""
     model, tokens = model_and_tokens(3)
     eager_loss, eager = loss_and_grads(model, tokens, bf16=False)
-    model.set_compile(True)
-    try:
-        fast_loss, fast = loss_and_grads(model, tokens, bf16=False)
-    finally:
-        model.set_compile(False)
+    fast_loss, fast = compiled_loss_and_grads(model, tokens, bf16=False)
     assert abs(fast_loss - eager_loss) <= 1e-5 * abs(eager_loss)
     for name, g in eager.items():
         assert rel(fast[name], g) <= 1e-3, (name, rel(fast[name], g))
@@ -88,12 +93,7 @@ def test_compiled_model_under_activation_checkpointing_gives_eager_fp32_gradient
     plain_loss, plain = loss_and_grads(model, tokens, bf16=False)
     model.set_activation_checkpointing(mode)
     eager_loss, eager = loss_and_grads(model, tokens, bf16=False)
-    model.set_compile(True)
-    try:
-        fast_loss, fast = loss_and_grads(model, tokens, bf16=False)
-    finally:
-        model.set_compile(False)
-        model.set_activation_checkpointing("none")
+    fast_loss, fast = compiled_loss_and_grads(model, tokens, bf16=False)
     assert abs(eager_loss - plain_loss) <= 1e-6 * abs(plain_loss)
     assert abs(fast_loss - eager_loss) <= 1e-5 * abs(eager_loss)
     for name, g in plain.items():
