@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-from moe_kernels.triton.ffn_kernels import BlockPlan, block_backward, block_forward
+from moe_kernels.triton.ffn_kernels import BlockPlan, block_backward, block_forward, sorted_rows
 from moe_kernels.triton.grouped_gemm_kernels import grouped_gemm_backward, grouped_gemm_forward
 from moe_kernels.triton.permute_kernels import combine_backward, gather_sum, scatter_rows
 from moe_kernels.triton.route_map_kernels import route_map_tensors
@@ -206,7 +206,7 @@ def swiglu_block_backward(g: Tensor, x: Tensor, weights: Optional[Tensor], w1: T
     """(gx, g_weights, g_w1, g_w2); g_weights is empty without routing."""
     p = _plan_of(plan, x, w1, w2, offsets, sort_order, dest_row, top_k)
     routed = dest_row is not None
-    xs = scatter_rows(x, dest_row, top_k) if routed and p.needs_sorted_rows else (None if routed else x)
+    xs = sorted_rows(x, dest_row, top_k, p)
     needs = (need_x, routed, need_w1, need_w2)
     gx, gw, gw1, gw2 = block_backward(g, x, xs, weights, w1, w2, offsets, sort_order, dest_row, pre, act,
                                       y if routed else None, routed, top_k, p, needs)

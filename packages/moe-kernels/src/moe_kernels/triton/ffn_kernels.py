@@ -121,13 +121,21 @@ class SwigluFFNFn(torch.autograd.Function):
         return vmap_by_loop(info, in_dims, lambda x, *rest: SwigluFFNFn.apply(dense_rows(x), *rest), *args)
 
 
+def sorted_rows(x, dest_row, top_k, plan):
+    """The input rows in expert order where `plan` reads them (grouped_mm or descriptor loads cannot gather),
+    None where the gather is fused into the A-loads; x itself without routing (`dest_row is None`)."""
+    if dest_row is None:
+        return x
+    return scatter_rows(x, dest_row, top_k) if plan.needs_sorted_rows else None
+
+
 def block_forward(x, weights, w1, w2, offsets, sort_order, dest_row, top_k, plan):
     """The block's forward by `plan`: (out, xs, pre, act, y), the intermediates None where they are an input or
     `out` itself (see SwigluFFNFn)."""
     routed = dest_row is not None
     n_rows = sort_order.shape[0] if routed else x.shape[0]
     h = w2.shape[1]
-    xs = scatter_rows(x, dest_row, top_k) if routed and plan.needs_sorted_rows else (None if routed else x)
+    xs = sorted_rows(x, dest_row, top_k, plan)
     if plan.fwd1 != "grouped_mm":
         gathered = routed and plan.fwd1 == "fused"
         pre = torch.empty(n_rows, 2 * h, dtype=x.dtype, device=x.device)
