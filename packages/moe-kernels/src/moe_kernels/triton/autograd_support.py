@@ -32,7 +32,7 @@ def refuse_dual_inputs(op: str, inputs: tuple) -> None:
     before a kernel launch, where torch would only say that a jvp staticmethod is missing (and
     linearize fails inside Triton's launcher). The forward, not setup_context: linearize traces the
     forward, whose kernels cannot take its proxy tensors, before setup_context would run."""
-    if not torch.compiler.is_compiling() and _has_forward_grad(inputs):
+    if _has_forward_grad(inputs):
         raise forward_ad_error(op)
 
 
@@ -41,7 +41,7 @@ def refuse_forward_ad(op: str) -> None:
     (jvp, jacfwd, hessian) raise the error naming the backend, where torch would only say that a jvp
     staticmethod is missing. Not a jvp staticmethod that raises: torch.compile breaks the graph at
     any Function that defines one."""
-    if torch.compiler.is_compiling() or not torch._C._are_functorch_transforms_active():
+    if not torch._C._are_functorch_transforms_active():
         return
     from torch._C._functorch import TransformType
     from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
@@ -136,11 +136,10 @@ class KernelBackward(torch.autograd.Function):
 def run_backward(op: str, fn, *args):
     """A triton Function's backward: `fn(*args)` directly in eager autograd (refusing create_graph=True
     there, as always), through KernelBackward inside torch.func."""
-    if not torch.compiler.is_compiling():
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if in_func_transform(*tensors):
-            return KernelBackward.apply(fn, op, *args)
-        if any(torch._C._functorch.is_legacy_batchedtensor(t) for t in tensors):
-            raise _legacy_batched_error(op)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if in_func_transform(*tensors):
+        return KernelBackward.apply(fn, op, *args)
+    if any(torch._C._functorch.is_legacy_batchedtensor(t) for t in tensors):
+        raise _legacy_batched_error(op)
     refuse_double_backward(op)
     return fn(*args)

@@ -101,8 +101,7 @@ class SwigluFFNFn(torch.autograd.Function):
         x, weights, w1, w2, offsets, sort_order, dest_row, top_k, plan = inputs
         out, xs, pre, act, y = output
         ctx.mark_non_differentiable(*[t for t in (xs, pre, act, y) if t is not None])
-        if not torch.compiler.is_compiling():  # torch.compile's graph has no zeros to skip (and refuses the call)
-            ctx.set_materialize_grads(False)  # else backward would get zero tensors the size of the intermediates
+        ctx.set_materialize_grads(False)  # else backward would get zero tensors the size of the intermediates
         ctx.routed, ctx.top_k, ctx.plan = dest_row is not None, top_k, plan
         if not ctx.routed:
             xs, y = x, out
