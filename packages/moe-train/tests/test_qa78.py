@@ -8,6 +8,7 @@ step). train.seed picks the init and the draws; data.seed only the data order.
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import shutil
@@ -25,6 +26,7 @@ import qa78_worker as w  # noqa: E402
 import test_parallel_harness as h  # noqa: E402
 from test_parallel_harness import small_config  # noqa: E402
 
+from moe_ckpt import load_metadata  # noqa: E402
 from moe_train.model.router import Router  # noqa: E402
 from moe_train.trainer.loop import Trainer  # noqa: E402
 
@@ -132,6 +134,31 @@ def test_activation_checkpointing_recomputes_the_forwards_random_experts(tmp_pat
     _assert_same_run(tmp_path / f"{mode}-split", tmp_path / "none")
 
 
+def _rng_state_at_first_draw(monkeypatch) -> list[torch.Tensor]:  # noqa: ANN001
+    """The torch CPU generator state just before the first training draw of each Trainer.train() from now on."""
+    states: list[torch.Tensor] = []
+    select, train = Router._select, Trainer.train
+    pending = []
+
+    def recorded(self: Router, scores: torch.Tensor, k: int) -> torch.Tensor:
+        if self.training and not self.recomputing and pending:
+            states.append(torch.get_rng_state())
+            pending.clear()
+        return select(self, scores, k)
+
+    def train_once(self: Trainer) -> dict:
+        pending.append(True)
+        return train(self)
+
+    monkeypatch.setattr(Router, "_select", recorded)
+    monkeypatch.setattr(Trainer, "train", train_once)
+    return states
+
+
+def _torch_cpu_state(rng: dict) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(rng["torch_cpu"])), dtype=torch.uint8)
+
+
 def test_evals_leave_the_training_run_as_it_is(tmp_path, small_data):
     """A run that evaluates every 5 steps, or every 2, trains as one that never evaluates: the same losses, router
     health, weights and AdamW state, bitwise. And the eval losses of the steps both evaluate at (0, 10, 12) agree:
@@ -175,13 +202,14 @@ def test_train_seed_picks_init_and_draws_and_data_seed_only_the_data_order(tmp_p
     assert base["loss"] != data1["loss"]
 
 
-def test_two_ranks_random_routing_resume_is_bitwise_and_the_ranks_draw_alike(tmp_path, small_data):
+def test_two_ranks_random_routing_resume_is_bitwise_and_the_ranks_draw_alike(tmp_path, small_data, monkeypatch):
     """dp=2 (gloo), random routing, evals every 3, async saves: 2N straight against stopped at N+3 and resumed, bitwise.
     Every rank seeds its generator with train.seed and draws the same number of values, so the ranks draw the same
     experts for the same token positions (of different data) and their generator states agree at every save: the
     checkpoint keeps rank 0's state and every rank restores it, which is right only while they agree. Then the
-    step-N checkpoint resumed on one process (another world size: the RNG state is not restored, the draws start
-    from train.seed): twice, bitwise the same."""
+    step-N checkpoint resumed on one process (another world size), twice: bitwise the same, and its first draw starts
+    from the saved generator state (before moe-train 0.17.2 another world size restarted the draws from train.seed,
+    repeating step 1's, and said nothing)."""
     out = tmp_path / "ranks"
     out.mkdir()
     ports = [h.free_port() for _ in range(3)]
@@ -199,11 +227,16 @@ def test_two_ranks_random_routing_resume_is_bitwise_and_the_ranks_draw_alike(tmp
     assert _evals(split) == _evals(straight) and sorted(_evals(straight)) == [0, 3, 6, 9, 12]
 
     # the dp=2 checkpoint at N, resumed on one process, twice
+    saved = straight / "checkpoints" / f"step-{N:08d}"
+    first_draw_state = _rng_state_at_first_draw(monkeypatch)
     for name in ("one", "one_again"):
         run = tmp_path / name
         (run / "checkpoints").mkdir(parents=True)
-        shutil.copytree(straight / "checkpoints" / f"step-{N:08d}", run / "checkpoints" / f"step-{N:08d}")
+        shutil.copytree(saved, run / "checkpoints" / f"step-{N:08d}")
         Trainer(_config(tmp_path, name, small_data, micro_batch_size=4, grad_accum=2)).train()
+    assert len(first_draw_state) == 2
+    saved_state = _torch_cpu_state(load_metadata(saved)["rng"])
+    assert all(torch.equal(state, saved_state) for state in first_draw_state)
     assert [s for s, *_ in _losses(tmp_path / "one")] == list(range(N + 1, 2 * N + 1))
     _assert_same_run(tmp_path / "one_again", tmp_path / "one")
 

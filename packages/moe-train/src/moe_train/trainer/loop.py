@@ -337,7 +337,7 @@ class Trainer:
         return path
 
     def restore(self, path: Path) -> None:
-        """Load weights, optimizer, step, sampler and (same world size) RNG state from checkpoint `path`."""
+        """Load weights, optimizer, step, sampler and RNG state from checkpoint `path`."""
         meta = ckpt.load(path, self.runtime, self.model)
         self.step = int(meta["step"])
         self.skipped_steps = int(meta["skipped_steps"])
@@ -347,8 +347,9 @@ class Trainer:
         self.sampler.load_state_dict(meta["sampler"])
         if data_change and self.is_main:
             warnings.warn(data_change, stacklevel=2)
-        if meta["layout"]["world_size"] == self.runtime.world_size:
-            restore_rng_state(meta["rng"])  # another layout draws its own random streams
+        # rank 0's generators, on every rank and every layout: all ranks seed with train.seed and draw alike, so
+        # their states agree at a save; another layout goes on from the saved state instead of train.seed's
+        restore_rng_state(meta["rng"])
         # checkpoints before moe-train 0.15.5 do not record them: None
         self.first_eval_loss, self.last_eval_loss = meta.get("first_eval_loss"), meta.get("last_eval_loss")
         if self.cfg.train.eval_interval > 0:
