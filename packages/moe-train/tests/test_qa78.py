@@ -251,3 +251,30 @@ def test_the_cli_trains_as_the_api_does(tmp_path, small_data):
     subprocess.run([sys.executable, "-m", "moe_train", "train", "--config", str(tmp_path / "cli.json")], check=True,
                    capture_output=True, timeout=120)
     _assert_same_run(tmp_path / "cli", tmp_path / "api")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_resume_on_the_gpu_goes_on_with_the_cuda_generator(tmp_path, small_data, monkeypatch):
+    """On a CUDA device the routers draw from the device's generator: the resumed run's first draw starts from the
+    state the unbroken run had at that draw (the checkpoint keeps the current device's state, moe-ckpt 0.14.0)."""
+    states: list[torch.Tensor] = []
+    select = Router._select
+
+    def recorded(self: Router, scores: torch.Tensor, k: int) -> torch.Tensor:
+        if self.training and not self.recomputing:
+            states.append(torch.cuda.get_rng_state(scores.device))
+        return select(self, scores, k)
+
+    monkeypatch.setattr(Router, "_select", recorded)
+    Trainer(_config(tmp_path, "straight", small_data, device="cuda")).train()
+    draws_per_step = len(states) // (2 * N)
+    assert draws_per_step == 2 and len(states) == 2 * N * draws_per_step  # 2 micro-batches x 1 MoE layer
+    straight = states[:]
+    del states[:]
+    (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "straight" / "checkpoints" / f"step-{N:08d}",
+                    tmp_path / "resumed" / "checkpoints" / f"step-{N:08d}")
+    Trainer(_config(tmp_path, "resumed", small_data, device="cuda")).train()
+    assert len(states) == N * draws_per_step
+    assert all(torch.equal(a, b) for a, b in zip(states, straight[N * draws_per_step:]))

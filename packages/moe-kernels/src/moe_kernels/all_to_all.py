@@ -61,6 +61,7 @@ from moe_kernels.dispatch import (
 )
 from moe_kernels.permute import check_rows, check_route_map_device, check_router_weights, combine, permute
 from moe_kernels.route_map import RouteMap, positive_int
+from moe_kernels.triton import _constant_under_compile
 
 # Header columns sent to every EP peer after the [E_local] counts (int64).
 _STATUS, _ROW_NUMEL, _DTYPE, _WIDTH, _GRAD = range(5)
@@ -150,6 +151,8 @@ class AllToAllDispatcher:
         raises on every rank after one small exchange, before any row moves: the rank at fault its
         own error, the others a ValueError naming that rank and quoting its error.
         """
+        if torch.compiler.is_compiling() and _exchanges_run_eagerly():
+            return _EAGERLY["dispatch"](self, x, route_map)
         ep, e_local = self.ep_size, self.num_local_experts
         self._dispatches += 1
         if not self._experts_agreed:
@@ -285,6 +288,8 @@ class AllToAllDispatcher:
         ValueError naming that rank and quoting it. Values are not checked: NaN weights give NaN rows, as
         they do locally.
         """
+        if torch.compiler.is_compiling() and _exchanges_run_eagerly():
+            return _EAGERLY["combine"](self, expert_out, result, weights)
         problem: Exception | None = None
         try:
             ctx = self._context_of(result)
@@ -332,6 +337,29 @@ class AllToAllDispatcher:
                 f"ep={other.ep_size}): pass the DispatchResult of this dispatcher's dispatch"
             )
         return ctx
+
+
+# Under torch.compile, dispatch and combine run eagerly, between graphs: their exchanges need split sizes and peer
+# verdicts as host ints. Traced, the first host read made dynamo graph-break a dozen times per layer, recompile as
+# the counts changed, and, with fullgraph=True, fail with an internal GuardOnDataDependentSymNode naming none of this.
+_EAGERLY: dict = {}
+_WHY_EAGER = (
+    "AllToAllDispatcher.{name} runs eagerly under torch.compile: its all-to-all needs the split sizes as host ints "
+    "and its EP ranks agree on their inputs before any row moves, so it cannot be part of a graph. With "
+    "fullgraph=True, compile the parts around the dispatcher (router, expert FFN) instead of the module holding it, "
+    "or compile that module with fullgraph=False (the graph breaks at dispatch and combine, which run between graphs)"
+)
+
+
+@_constant_under_compile  # run for real while dynamo traces: it imports torch._dynamo, which import moe_kernels must not
+def _exchanges_run_eagerly() -> bool:
+    """Make _EAGERLY's dispatch and combine: the methods wrapped in torch.compiler.disable, which dynamo calls
+    eagerly (a graph break) or, with fullgraph=True, refuses with the reason above."""
+    for name in ("dispatch", "combine"):
+        if name not in _EAGERLY:
+            method = getattr(AllToAllDispatcher, name)
+            _EAGERLY[name] = torch.compiler.disable(method, reason=_WHY_EAGER.format(name=name))
+    return True
 
 
 # A row exchange runs its reverse in backward only where its input needs gradients: a rank whose rows do not
