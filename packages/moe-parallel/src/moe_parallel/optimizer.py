@@ -265,6 +265,13 @@ class DistributedAdamW:
             else:
                 chunk.copy_(st.master)
 
+    @torch.no_grad()
+    def refresh_weights(self) -> None:
+        """Write the fp32 masters into the model weights on every replica (after loading masters from elsewhere:
+        the weights are then the masters, rounded to their dtype). Every rank of the flats' groups calls it."""
+        for flat, states in zip(self.flats, self.states):
+            self._refresh(flat, states)
+
     def reload_masters(self) -> None:
         """Re-read the fp32 masters from the model weights (after loading weights from elsewhere)."""
         for flat, states in zip(self.flats, self.states):

@@ -347,6 +347,9 @@ def validate(cfg: Config) -> Config:
         _check(t.save_interval == 0, "train.save_interval", t.save_interval,
                "0 with parallel.strategy='fsdp' (the FSDP2 baseline writes no checkpoints)")
         _check(p.ep == 1, "parallel.ep", p.ep, "1 with parallel.strategy='fsdp' (the dense-sharding baseline)")
+        _check(p.param_dtype == "fp32", "parallel.param_dtype", p.param_dtype,
+               "'fp32' with parallel.strategy='fsdp' (the FSDP2 baseline keeps no fp32 masters: its torch AdamW "
+               "would update the bf16 weights and moments; bf16 resident weights run with 'ddp')")
     _check(p.pp == 1, "parallel.pp", p.pp, "1 (pipeline parallelism is not built yet)")
     if p.ep > 1:
         _check(m.num_experts > 0 and m.num_experts % p.ep == 0, "parallel.ep", p.ep,

@@ -224,6 +224,9 @@ class DistributedRuntime:
             else:
                 s.tensor.copy_(value.reshape(s.tensor.shape))
         self.optimizer.load_param_step_counts(counts)  # after step_count, whose setter sets them all
+        # the weights from the fp32 masters, not the stored weight copies: a bf16-resident run's are rounded, and
+        # fp32 weights read from them would start this run off its masters
+        self.optimizer.refresh_weights()
 
     def close(self) -> None:
         if self.sync is not None:
