@@ -26,8 +26,9 @@ except Exception:
     HAVE_TRITON = False
 
 BACKENDS = ("auto", "triton")
-# checks of the graphs' count, the fakes and autograd compile with dynamo + AOTAutograd alone: inductor's C++ builds
-# would take the file past a minute on 2 cores with a cold cache; those on numbers after lowering use inductor
+# checks compile with dynamo + AOTAutograd alone (graph counts, fakes, autograd, asserts): inductor's C++ builds would
+# take the file past a minute on 2 cores with a cold cache; trained_module (numbers after lowering, through AdamW)
+# uses inductor
 NO_INDUCTOR = "aot_eager"
 
 
@@ -92,7 +93,7 @@ def _fresh(torch):
     counters.clear()
 
 
-def _token_counts_in_one_graph(torch, block, params, counts, how, compiler="inductor"):
+def _token_counts_in_one_graph(torch, block, params, counts, how, compiler=NO_INDUCTOR):
     """block compiled once (fullgraph) over several token counts: eager's output and gradients each time, one graph."""
     _fresh(torch)
     compiled = torch.compile(block, fullgraph=True, dynamic=True if how == "dynamic" else None, backend=compiler)
@@ -228,7 +229,8 @@ def checkpointed_and_no_grad(backend):
         x = torch.randn(19, 16, generator=torch.Generator().manual_seed(6)).requires_grad_()
         want = _output_and_grads(torch, block, x, params)
         _fresh(torch)
-        _same(torch, _output_and_grads(torch, torch.compile(recomputed, fullgraph=True), x, params), want, "checkpoint")
+        _same(torch, _output_and_grads(torch, torch.compile(recomputed, fullgraph=True, backend=NO_INDUCTOR), x, params),
+              want, "checkpoint")
         _fresh(torch)
         compiled = torch.compile(block, fullgraph=True, backend=NO_INDUCTOR)
         with torch.no_grad():
@@ -283,7 +285,7 @@ def ids_out_of_range_assert(backend):
             return moe.moe_ffn(x, rm, weights, w1, w2, backend=backend)
 
         _fresh(torch)
-        compiled = torch.compile(routed, fullgraph=True)
+        compiled = torch.compile(routed, fullgraph=True, backend=NO_INDUCTOR)
         g = torch.Generator().manual_seed(11)
         _, w1, w2 = _experts(torch, 16, 8, E, 12, grad=False)
         x, weights = torch.randn(13, 16, generator=g), torch.rand(13, k, generator=g)
