@@ -222,6 +222,7 @@ def _check_plan_on_inference_tensors(torch, moe):
         inf = [t.clone() for t in (x, w1, w2, weights)]
     clock = itertools.count(1)
     saved, saved_rounds, saved_use = triton.testing.do_bench, expert_ffn._PLAN_ROUNDS, expert_ffn.use_triton
+    saved_time_plans = expert_ffn._time_plans
     try:
         # auto picks triton on CUDA only: here it is told the interpreter counts, as on a GPU
         expert_ffn.use_triton = lambda backend, t: True
@@ -235,10 +236,14 @@ def _check_plan_on_inference_tensors(torch, moe):
         out = moe.moe_ffn(inf[0], rm, inf[3], inf[1], inf[2], backend="auto")
         ref = moe.moe_ffn(x, moe.build_route_map(ids, E, backend="reference"), weights, w1, w2, backend="reference")
         assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4)
+        # an ordinary call times and caches (the search itself runs in _check_plan_search: a stand-in here)
         fresh = moe.build_route_map(ids, E, backend="reference")
-        assert expert_ffn._plan("auto", x, w1, w2, fresh.offsets, fresh) is not None and expert_ffn._PLANS
+        timed = []
+        expert_ffn._time_plans = lambda *args, **kw: timed.append(args) or ALL_TRITON
+        assert expert_ffn._plan("auto", x, w1, w2, fresh.offsets, fresh) is ALL_TRITON and timed and expert_ffn._PLANS
     finally:
         triton.testing.do_bench, expert_ffn._PLAN_ROUNDS, expert_ffn.use_triton = saved, saved_rounds, saved_use
+        expert_ffn._time_plans = saved_time_plans
         expert_ffn._PLANS.clear()
 
 
