@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -205,7 +206,8 @@ class AllToAllDispatcher:
         num_kept = num_recv
         dropped = torch.zeros((), dtype=torch.int64, device=x.device)
         if self.capacity_factor > 0:
-            cap = math.ceil(self.capacity_factor * route_map.num_rows)
+            # the factor as written: in binary 1.1 is 1.1000000000000000888, and ceil(1.1 * 100) would keep 111 rows
+            cap = math.ceil(Fraction(str(float(self.capacity_factor))) * route_map.num_rows)
             if num_recv > cap:
                 num_kept = cap
                 rows = rows[:cap]
