@@ -77,6 +77,12 @@ class Trainer:
                 warnings.warn(f"train.warmup_steps={t.warmup_steps} > train.steps={t.steps}: the whole run warms up, "
                               f"its lr peaks at lr x {t.steps}/{t.warmup_steps} = {t.lr * t.steps / t.warmup_steps:.3g} "
                               f"(train.lr={t.lr:g}) and never decays", stacklevel=2)
+            p = cfg.parallel
+            if p.expert_capacity_factor > 0 and p.ep == 1 and self.is_main:
+                warnings.warn(f"parallel.expert_capacity_factor={p.expert_capacity_factor:g} drops nothing with "
+                              "parallel.ep=1: the capacity is per EP rank (ceil(factor x the rank's tokens x top_k) of "
+                              "the rows it receives), and a rank that holds every expert receives exactly tokens x "
+                              "top_k rows", stacklevel=2)
             torch.manual_seed(t.seed)
             self.model = rt.setup(Transformer(cfg.model, device="meta"))  # each rank allocates only its slice
             self.run_dir = Path(t.run_dir)
