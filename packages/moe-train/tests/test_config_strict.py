@@ -293,22 +293,27 @@ def test_a_path_starting_with_a_tilde_means_the_home_folder_on_the_command_line_
     assert build_config(overrides={"train.run_dir": "runs/~x"}).train.run_dir == "runs/~x"  # only a leading ~
 
 
-@pytest.mark.parametrize("warmup,warns", [(5, True), (4, False), (0, False)])
-def test_a_warmup_longer_than_the_run_is_named_when_the_trainer_starts(warmup, warns, tmp_path, data_dir, make_config):
-    """warmup_steps > steps was legal and silent: the lr never reached train.lr and never decayed."""
+def _start_warnings(cfg, naming: str) -> list[str]:  # noqa: ANN001
+    """The messages of the warnings a Trainer built from `cfg` gives at start that contain `naming`."""
     import warnings
 
     from moe_train.trainer.loop import Trainer
 
-    cfg = make_config(tmp_path, steps=4, eval_interval=0, save_interval=0)
-    cfg.data.path = str(data_dir)
-    cfg.train.warmup_steps, cfg.train.lr = warmup, 1e-3
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = Trainer(cfg)
     trainer.runtime.close()
     trainer._release_run_dir()
-    named = [str(w.message) for w in caught if "train.warmup_steps" in str(w.message)]
+    return [str(w.message) for w in caught if naming in str(w.message)]
+
+
+@pytest.mark.parametrize("warmup,warns", [(5, True), (4, False), (0, False)])
+def test_a_warmup_longer_than_the_run_is_named_when_the_trainer_starts(warmup, warns, tmp_path, data_dir, make_config):
+    """warmup_steps > steps was legal and silent: the lr never reached train.lr and never decayed."""
+    cfg = make_config(tmp_path, steps=4, eval_interval=0, save_interval=0)
+    cfg.data.path = str(data_dir)
+    cfg.train.warmup_steps, cfg.train.lr = warmup, 1e-3
+    named = _start_warnings(cfg, "train.warmup_steps")
     assert named == (["train.warmup_steps=5 > train.steps=4: the whole run warms up, its lr peaks at lr x 4/5 = "
                       "0.0008 (train.lr=0.001) and never decays"] if warns else [])
 
@@ -318,19 +323,10 @@ def test_a_capacity_that_cannot_drop_with_ep_1_is_named_when_the_trainer_starts(
                                                                                 make_config):
     """expert_capacity_factor with parallel.ep=1 was silent: the capacity is per EP rank and one rank receives exactly
     its tokens x top_k rows, so no row is ever dropped."""
-    import warnings
-
-    from moe_train.trainer.loop import Trainer
-
     cfg = make_config(tmp_path, steps=4, eval_interval=0, save_interval=0)
     cfg.data.path = str(data_dir)
     cfg.parallel.expert_capacity_factor = factor
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer = Trainer(cfg)
-    trainer.runtime.close()
-    trainer._release_run_dir()
-    named = [str(w.message) for w in caught if "expert_capacity_factor" in str(w.message)]
+    named = _start_warnings(cfg, "expert_capacity_factor")
     assert named == (["parallel.expert_capacity_factor=1.25 drops nothing with parallel.ep=1: the capacity is per EP "
                       "rank (ceil(factor x the rank's tokens x top_k) of the rows it receives), and a rank that holds "
                       "every expert receives exactly tokens x top_k rows"] if warns else [])
