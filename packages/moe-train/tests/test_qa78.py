@@ -134,24 +134,17 @@ def test_activation_checkpointing_recomputes_the_forwards_random_experts(tmp_pat
     _assert_same_run(tmp_path / f"{mode}-split", tmp_path / "none")
 
 
-def _rng_state_at_first_draw(monkeypatch) -> list[torch.Tensor]:  # noqa: ANN001
-    """The torch CPU generator state just before the first training draw of each Trainer.train() from now on."""
+def _states_before_draws(monkeypatch, generator_state) -> list[torch.Tensor]:  # noqa: ANN001
+    """generator_state(scores) just before every training draw of the routers from now on (undone after the test)."""
     states: list[torch.Tensor] = []
-    select, train = Router._select, Trainer.train
-    pending = []
+    select = Router._select
 
     def recorded(self: Router, scores: torch.Tensor, k: int) -> torch.Tensor:
-        if self.training and not self.recomputing and pending:
-            states.append(torch.get_rng_state())
-            pending.clear()
+        if self.training and not self.recomputing:
+            states.append(generator_state(scores))
         return select(self, scores, k)
 
-    def train_once(self: Trainer) -> dict:
-        pending.append(True)
-        return train(self)
-
     monkeypatch.setattr(Router, "_select", recorded)
-    monkeypatch.setattr(Trainer, "train", train_once)
     return states
 
 
@@ -228,15 +221,16 @@ def test_two_ranks_random_routing_resume_is_bitwise_and_the_ranks_draw_alike(tmp
 
     # the dp=2 checkpoint at N, resumed on one process, twice
     saved = straight / "checkpoints" / f"step-{N:08d}"
-    first_draw_state = _rng_state_at_first_draw(monkeypatch)
+    states = _states_before_draws(monkeypatch, lambda scores: torch.get_rng_state())
     for name in ("one", "one_again"):
         run = tmp_path / name
         (run / "checkpoints").mkdir(parents=True)
         shutil.copytree(saved, run / "checkpoints" / f"step-{N:08d}")
         Trainer(_config(tmp_path, name, small_data, micro_batch_size=4, grad_accum=2)).train()
-    assert len(first_draw_state) == 2
+    per_run = len(states) // 2  # the two resumed runs draw alike: the first draw of each starts from the saved state
+    assert per_run > 0 and len(states) == 2 * per_run
     saved_state = _torch_cpu_state(load_metadata(saved)["rng"])
-    assert all(torch.equal(state, saved_state) for state in first_draw_state)
+    assert torch.equal(states[0], saved_state) and torch.equal(states[per_run], saved_state)
     assert [s for s, *_ in _losses(tmp_path / "one")] == list(range(N + 1, 2 * N + 1))
     _assert_same_run(tmp_path / "one_again", tmp_path / "one")
 
@@ -258,15 +252,7 @@ def test_the_cli_trains_as_the_api_does(tmp_path, small_data):
 def test_a_resume_on_the_gpu_goes_on_with_the_cuda_generator(tmp_path, small_data, monkeypatch):
     """On a CUDA device the routers draw from the device's generator: the resumed run's first draw starts from the
     state the unbroken run had at that draw (the checkpoint keeps the current device's state, moe-ckpt 0.14.0)."""
-    states: list[torch.Tensor] = []
-    select = Router._select
-
-    def recorded(self: Router, scores: torch.Tensor, k: int) -> torch.Tensor:
-        if self.training and not self.recomputing:
-            states.append(torch.cuda.get_rng_state(scores.device))
-        return select(self, scores, k)
-
-    monkeypatch.setattr(Router, "_select", recorded)
+    states = _states_before_draws(monkeypatch, lambda scores: torch.cuda.get_rng_state(scores.device))
     Trainer(_config(tmp_path, "straight", small_data, device="cuda")).train()
     draws_per_step = len(states) // (2 * N)
     assert draws_per_step == 2 and len(states) == 2 * N * draws_per_step  # 2 micro-batches x 1 MoE layer
