@@ -62,7 +62,7 @@ from moe_kernels.dispatch import (
 )
 from moe_kernels.permute import check_rows, check_route_map_device, check_router_weights, combine, permute
 from moe_kernels.route_map import RouteMap, positive_int
-from moe_kernels.triton import _constant_under_compile
+from moe_kernels.compile_marks import constant_under_compile
 
 # Header columns sent to every EP peer after the [E_local] counts (int64).
 _STATUS, _ROW_NUMEL, _DTYPE, _WIDTH, _GRAD = range(5)
@@ -353,7 +353,7 @@ _WHY_EAGER = (
 )
 
 
-@_constant_under_compile  # run for real while dynamo traces: it imports torch._dynamo, which import moe_kernels must not
+@constant_under_compile  # run for real while dynamo traces: it imports torch._dynamo, which import moe_kernels must not
 def _exchanges_run_eagerly() -> bool:
     """Make _EAGERLY's dispatch and combine: the methods wrapped in torch.compiler.disable, which dynamo calls
     eagerly (a graph break) or, with fullgraph=True, refuses with the reason above."""

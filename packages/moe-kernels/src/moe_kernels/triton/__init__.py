@@ -11,18 +11,10 @@ import functools
 
 import torch
 
-
-def _constant_under_compile(fn):
-    """Mark `fn` as torch.compiler.assume_constant_result does (torch 2.11 to 2.15 set this attribute, which dynamo
-    reads): torch.compile takes its result as a constant instead of tracing it. Not that call itself: it imports
-    torch._dynamo, which `import moe_kernels` must not do (seconds of import, and a process group made after it
-    would keep gloo threads alive; moe-parallel's test_object_lifetime). tests/test_compile_triton.py fails if
-    dynamo stops honouring the mark (a graph break at the interpreter check)."""
-    fn._dynamo_marked_constant = True
-    return fn
+from moe_kernels.compile_marks import constant_under_compile
 
 
-@_constant_under_compile  # not traced: the import inside
+@constant_under_compile  # not traced: the import inside
 def triton_available() -> bool:
     return _triton_imports()
 
@@ -43,7 +35,7 @@ def triton_runs_on(t: torch.Tensor) -> bool:
     return t.is_cuda and triton_available()
 
 
-@_constant_under_compile  # torch.compile cannot trace triton's knob (an environment read)
+@constant_under_compile  # torch.compile cannot trace triton's knob (an environment read)
 def _triton_interprets() -> bool:
     """Whether triton runs kernels in its CPU interpreter (its own setting, read through triton)."""
     import triton
