@@ -156,7 +156,8 @@ def _parser() -> _Parser:
             s.add_argument("--steps", type=int, default=5, help="measured steps (default 5)")
             s.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (default 2)")
             s.add_argument("--out", type=_path, default=None, help="also write the JSON here")
-    s = sub.add_parser("export-hf", help="export a checkpoint to a Hugging Face folder that stock transformers loads")
+    s = sub.add_parser("export-hf", help="export a checkpoint to a Hugging Face folder that stock transformers loads "
+                                         "(--custom-code: with trust_remote_code=True)")
     s.add_argument("checkpoint", type=_path,
                    help="a run folder or its checkpoints/ folder (the latest checkpoint), or a checkpoint folder")
     s.add_argument("out", type=_path, help="the Hugging Face folder to write (new, or an earlier export)")
@@ -171,6 +172,9 @@ def _parser() -> _Parser:
                    help="export a random/uniform-routed model's router as a learned one")
     s.add_argument("--tokenizer", type=_path, default=None, metavar="TOKENIZER_JSON",
                    help="the tokenizer.json to ship (default: the run's data folder's, or an import's own)")
+    s.add_argument("--custom-code", action="store_true",
+                   help="ship moe-train's own modeling code in the folder (any model exports, also those no stock "
+                        "transformers class computes); load it with trust_remote_code=True")
     s = sub.add_parser("import-hf", help="convert a Hugging Face folder to our config.json and our-named model.safetensors "
                            "(export-hf reads it; train --train.init_from=OUT starts a run from its weights)")
     s.add_argument("folder", type=_path, help="a Hugging Face model folder (config.json and safetensors)")
@@ -360,12 +364,13 @@ def _cmd_hf(args) -> None:
         source = _exported_checkpoint(args.checkpoint)
         summary = export_hf(args.checkpoint, args.out, dtype=args.dtype, push_to_hub=args.push_to_hub,
                             allow_benchmark_routing=args.allow_benchmark_routing, tokenizer_json=args.tokenizer,
-                            max_shard_bytes=args.max_shard_bytes)
+                            max_shard_bytes=args.max_shard_bytes, custom_code=args.custom_code)
         shards = f"{summary.shards} shard{'s' if summary.shards != 1 else ''}"
         print(f"wrote {args.out}: {summary.architecture} from {source}, {summary.num_tensors} tensors, "
               f"{summary.total_bytes / 2**20:.1f} MiB of {args.dtype} in {shards}"
               f"{f', pushed to {args.push_to_hub}' if args.push_to_hub else ''}")
-        print(f"load it: transformers.AutoModelForCausalLM.from_pretrained({args.out!r}), "
+        remote = ", trust_remote_code=True" if args.custom_code else ""
+        print(f"load it: transformers.AutoModelForCausalLM.from_pretrained({args.out!r}{remote}), "
               f"AutoTokenizer.from_pretrained({args.out!r})")
     else:
         cfg, _ = import_hf(args.folder, args.out)

@@ -183,10 +183,13 @@ def export_hf(
     extra_config: dict[str, Any] | None = None,
     max_shard_bytes: int | None = None,
     allow_benchmark_routing: bool = False,
+    custom_code: bool = False,
 ) -> ExportSummary:
     """Export a Transformer, a checkpoint dir or a run dir to a Hugging Face folder; optionally upload it.
 
-    dtype: bf16 | fp16 | fp32. tokenizer_json / extra_config default to the data folder's tokenizer and eos id,
+    dtype: bf16 | fp16 | fp32. custom_code: ship moe-train's own modeling code in the folder (loaded with
+    transformers' trust_remote_code=True), which exports any model, also those no stock transformers class computes.
+    tokenizer_json / extra_config default to the data folder's tokenizer and eos id,
     max_position_embeddings to the checkpoint's data.seq_len, and to the checkpoint's hf_extra.json (written
     by import_hf), which takes precedence.
     """
@@ -199,7 +202,7 @@ def export_hf(
             _check_export_out(_resolve_checkpoint(Path(source)), Path(out_dir))  # before anything is read
             cfg, tensors = open_files.enter_context(open_checkpoint_source(source))
             model_dict = cfg.to_dict()["model"]
-            choose_model_type(model_dict, allow_benchmark_routing)  # a refusal comes before the tokenizer warning
+            choose_model_type(model_dict, allow_benchmark_routing, custom_code)  # refused before the tokenizer warning
             data_tok, data_extra = _data_tokenizer(cfg)
             # The context the run trained at, not a length it never saw (tokenizer_config's model_max_length too).
             extra = {"max_position_embeddings": cfg.data.seq_len, **data_extra}
@@ -220,7 +223,8 @@ def export_hf(
             load_tokenizer(str(tokenizer_json))  # a file that is no tokenizer.json: refused before any weight is out
         kwargs = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
         summary = export_hf_folder(model_dict, tensors, out_dir, dtype=dtype, tokenizer_json=tokenizer_json,
-                                   extra_config=extra, allow_benchmark_routing=allow_benchmark_routing, **kwargs)
+                                   extra_config=extra, allow_benchmark_routing=allow_benchmark_routing,
+                                   custom_code=custom_code, **kwargs)
     if push_to_hub:
         push_folder(out_dir, push_to_hub, private=private)
     return summary

@@ -1,7 +1,9 @@
-"""Hugging Face export / import: folders that stock transformers loads without trust_remote_code.
+"""Hugging Face export / import: folders that stock transformers loads without trust_remote_code, or, with
+custom_code=True, folders shipping moe-train's own modeling code (any model; loaded with trust_remote_code=True).
 
     from moe_ckpt.hf import export_hf_folder, open_hf_folder
     export_hf_folder(cfg.to_dict()["model"], model.state_dict(), "out/hf", dtype="bf16")
+    export_hf_folder(cfg.to_dict()["model"], model.state_dict(), "out/hf-code", custom_code=True)
     hf = open_hf_folder("out/hf")           # checks config.json, every tensor name and shape
     model.load_state_dict(dict(hf.tensors()))  # streams our fp32 tensors by our names
 """

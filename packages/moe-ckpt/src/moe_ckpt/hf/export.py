@@ -19,10 +19,13 @@ from typing import Any, Union
 import torch
 from safetensors.torch import save_file
 
+from moe_ckpt.hf.custom_code import REMOTE_CODE_FILES, to_custom_config, write_remote_code
 from moe_ckpt.hf.folder_swap import write_folder_whole
 from moe_ckpt.hf.layout import Entry, build_plan, to_hf
 from moe_ckpt.hf.load import read_json_object
-from moe_ckpt.hf.spec import ARCH, DTYPES, HFConversionError, choose_model_type, to_hf_config
+from moe_ckpt.hf.spec import (
+    ARCH, CUSTOM_ARCH, CUSTOM_MODEL_TYPE, DTYPES, HFConversionError, choose_model_type, to_hf_config,
+)
 
 TensorSource = Union[Mapping[str, torch.Tensor], Callable[[str], torch.Tensor]]
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -78,11 +81,15 @@ def export_hf_folder(
     tokenizer_json: str | Path | None = None,
     extra_config: dict[str, Any] | None = None,
     allow_benchmark_routing: bool = False,
+    custom_code: bool = False,
 ) -> ExportSummary:
     """Write config.json, model*.safetensors (+ index), generation_config.json and tokenizer files.
 
     model_config: moe-train's Config.to_dict()["model"]; source: our global tensors by our names.
     extra_config: max_position_embeddings / bos_token_id / eos_token_id / pad_token_id for config.json.
+    custom_code: write moe-train's own modeling code into the folder (architecture MoeTrainForCausalLM, loaded with
+    trust_remote_code=True) instead of mapping onto a stock class: any valid model exports, also those no stock
+    class computes.
 
     The folder is written whole under a temporary name beside out_dir and renamed into place at
     the end: a failure leaves out_dir as it was. An existing out_dir is replaced only when it is
@@ -95,14 +102,16 @@ def export_hf_folder(
         raise HFConversionError(f"max_shard_bytes={max_shard_bytes!r}: expected a number of bytes, an integer >= 1")
     start = time.perf_counter()
     try:
-        model_type = choose_model_type(model_config, allow_benchmark_routing)
-        hf_config = to_hf_config(model_config, model_type, dtype, extra_config)
+        model_type = choose_model_type(model_config, allow_benchmark_routing, custom_code)
+        hf_config = (to_custom_config(model_config, dtype, extra_config) if custom_code
+                     else to_hf_config(model_config, model_type, dtype, extra_config))
         plan = build_plan(model_config, model_type)
     except KeyError as e:
         raise HFConversionError(f"model_config has no {e}: expected moe-train's model config as a dict "
                                 "(Config.to_dict()['model'])") from None
     _refuse_unread_tensors(source, plan, model_config)
-    _warn_unaligned_experts(model_config, dtype, out_dir)
+    if not custom_code:  # the custom modeling file runs its experts as plain matmuls
+        _warn_unaligned_experts(model_config, dtype, out_dir)
     shard_of, total = _assign_shards(plan, dtype, max_shard_bytes)
     n_shards = shard_of[-1] + 1
     if tokenizer_json is not None and not Path(tokenizer_json).is_file():  # before any shard is written
@@ -118,7 +127,8 @@ def export_hf_folder(
         out_dir, lambda out: _write_folder(out, plan, shard_of, n_shards, total, source, dtype, hf_config,
                                            tokenizer_json),
         check=_check_replaceable, what="export")
-    return ExportSummary(Path(out_dir), ARCH[model_type], num_tensors, total, n_shards, time.perf_counter() - start)
+    arch = CUSTOM_ARCH if model_type == CUSTOM_MODEL_TYPE else ARCH[model_type]
+    return ExportSummary(Path(out_dir), arch, num_tensors, total, n_shards, time.perf_counter() - start)
 
 
 def _refuse_unread_tensors(source: TensorSource, plan: list[Entry], model_config: dict[str, Any]) -> None:
@@ -163,7 +173,7 @@ def _warn_unaligned_experts(model_config: dict[str, Any], dtype: str, out_dir: s
 
 
 _EXPORT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "model.safetensors", "model.safetensors.index.json")
+                 "model.safetensors", "model.safetensors.index.json", *REMOTE_CODE_FILES)
 
 
 def _is_export_file(name: str) -> bool:
@@ -210,6 +220,8 @@ def _write_folder(out, plan, shard_of, n_shards, total, source, dtype, hf_config
     _write_generation_config(out, hf_config)
     if tokenizer_json is not None:
         write_tokenizer(out, tokenizer_json, hf_config)
+    if hf_config["model_type"] == CUSTOM_MODEL_TYPE:
+        write_remote_code(out)
     return len(weight_map)
 
 

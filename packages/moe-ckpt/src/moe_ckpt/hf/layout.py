@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from moe_ckpt.hf.spec import (
-    NO_SHARED_EXPERT_GATE_KEY, HFConversionError, attention_bias, has_output_bias, head_dim, shared_expert_gate,
+    CUSTOM_MODEL_TYPE, NO_SHARED_EXPERT_GATE_KEY, HFConversionError, attention_bias, has_output_bias, head_dim,
+    shared_expert_gate,
 )
 
 Shape = tuple[int, ...]
@@ -57,6 +58,8 @@ def _swiglu(ours: str, hf: str, d: int, h: int, suffixes: tuple[str, str, str], 
 
 def build_plan(m: dict[str, Any], model_type: str) -> list[Entry]:
     """All tensors of our model dict `m` exported as `model_type`, in file order."""
+    if model_type == CUSTOM_MODEL_TYPE:
+        return custom_code_plan(m)
     d, hd, v = m["d_model"], head_dim(m), m["vocab_size"]
     nq, nkv = m["num_heads"] * hd, m["num_kv_heads"] * hd
     plan = [_copy("embed.weight", "model.embed_tokens.weight", (v, d))]
@@ -81,6 +84,51 @@ def build_plan(m: dict[str, Any], model_type: str) -> list[Entry]:
     if not m["tie_embeddings"]:
         plan.append(_copy("lm_head.weight", "lm_head.weight", (v, d)))
     return plan
+
+
+def custom_code_name(ours: str) -> str:
+    """The folder's name for our tensor in a custom-code export: the modeling file's module path, which is ours
+    under `model.` (the head is `lm_head` in both)."""
+    return ours if ours == "lm_head.weight" else f"model.{ours}"
+
+
+def custom_code_plan(m: dict[str, Any]) -> list[Entry]:
+    """Every tensor of our state dict, copied under custom_code_name, shapes unchanged (expert_bias kept fp32)."""
+    d, hd, v = m["d_model"], head_dim(m), m["vocab_size"]
+    nq, nkv = m["num_heads"] * hd, m["num_kv_heads"] * hd
+    shapes: list[tuple[str, Shape]] = [("embed.weight", (v, d))]
+
+    def swiglu(prefix: str, h: int) -> None:
+        shapes.extend([(f"{prefix}.gate.weight", (h, d)), (f"{prefix}.up.weight", (h, d)),
+                       (f"{prefix}.down.weight", (d, h))])
+
+    for i in range(m["num_layers"]):
+        b = f"blocks.{i}"
+        shapes.append((f"{b}.attn_norm.weight", (d,)))
+        for p, shape in (("q", (nq, d)), ("k", (nkv, d)), ("v", (nkv, d)), ("o", (d, nq))):
+            shapes.append((f"{b}.attn.{p}_proj.weight", shape))
+            if attention_bias(m) and p != "o":
+                shapes.append((f"{b}.attn.{p}_proj.bias", shape[:1]))
+        if m["qk_norm"]:
+            shapes += [(f"{b}.attn.{p}_norm.weight", (hd,)) for p in "qk"]
+        shapes.append((f"{b}.mlp_norm.weight", (d,)))
+        if m["num_experts"] == 0 or i in m["dense_layers"]:
+            swiglu(f"{b}.mlp", m["dense_hidden"])
+            continue
+        e, h = m["num_experts"], m["expert_hidden"]
+        shapes.append((f"{b}.mlp.router.weight", (e, d)))
+        if m["router"]["expert_bias"]:
+            shapes.append((f"{b}.mlp.router.expert_bias", (e,)))
+        shapes += [(f"{b}.mlp.experts.w_gate_up", (e, d, 2 * h)), (f"{b}.mlp.experts.w_down", (e, h, d))]
+        if m["shared_expert_hidden"] > 0:
+            swiglu(f"{b}.mlp.shared_expert", m["shared_expert_hidden"])
+            if shared_expert_gate(m):
+                shapes.append((f"{b}.mlp.shared_expert_gate.weight", (1, d)))
+    shapes.append(("norm.weight", (d,)))
+    if not m["tie_embeddings"]:
+        shapes.append(("lm_head.weight", (v, d)))
+    return [_copy(ours, custom_code_name(ours), shape, keep_fp32=ours.endswith(".expert_bias"))
+            for ours, shape in shapes]
 
 
 def _moe_layer(m: dict[str, Any], model_type: str, b: str, L: str) -> list[Entry]:

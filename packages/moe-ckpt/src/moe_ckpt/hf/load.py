@@ -18,8 +18,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from moe_ckpt.hf.custom_code import from_custom_config
 from moe_ckpt.hf.layout import Entry, build_plan, from_hf
-from moe_ckpt.hf.spec import ARCH, HFConversionError, from_hf_config, head_dim, mtp_layers
+from moe_ckpt.hf.spec import (
+    ARCH, CUSTOM_ARCH, CUSTOM_MODEL_TYPE, HFConversionError, from_hf_config, head_dim, mtp_layers,
+)
 
 
 @dataclass
@@ -140,31 +143,34 @@ def _attention_defaults_hint(name: str, hf_config: dict[str, Any], model_config:
             + ": add the key(s) with the values the weights were made with")
 
 
-_TIED_HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
+_TIED_HEAD = "lm_head.weight"
 _ROWS_PER_COMPARE = 4096  # the tied-head check compares this many vocabulary rows at a time, not two whole matrices
 
 
 def _tied_head_copy(folder: Path, files: dict[str, str], held_in: dict[str, str],
-                    shapes: dict[str, tuple[int, ...]], model_config: dict[str, Any]) -> set[str]:
+                    shapes: dict[str, tuple[int, ...]], model_config: dict[str, Any], embed_name: str) -> set[str]:
     """{"lm_head.weight"} when a tied-embedding folder also stores the head (some save_pretrained calls write both)
-    and it equals model.embed_tokens.weight: the same model, the copy is skipped. A head that differs is refused:
-    transformers 5 then unties the two (a different model from the config's) and transformers 4 ties them."""
+    and it equals the embedding `embed_name` (model.embed_tokens.weight; a custom-code folder's model.embed.weight):
+    the same model, the copy is skipped. A head that differs is refused: transformers 5 then unties the two (a
+    different model from the config's) and transformers 4 ties them."""
     if not model_config["tie_embeddings"] or _TIED_HEAD not in shapes:
         return set()
     _check_weight_map(folder, files, held_in, _TIED_HEAD)
-    if shapes[_TIED_HEAD] != shapes[_EMBED]:
+    if shapes[_TIED_HEAD] != shapes[embed_name]:
         raise HFConversionError(f"tensor {_TIED_HEAD} has shape {list(shapes[_TIED_HEAD])}, expected "
-                                f"{list(shapes[_EMBED])} (that of {_EMBED}: config.json has tie_word_embeddings=true)")
-    with open_safetensors(folder / files[_TIED_HEAD]) as h, open_safetensors(folder / files[_EMBED]) as e:
-        head, embed = h.get_slice(_TIED_HEAD), e.get_slice(_EMBED)
-        for start in range(0, shapes[_EMBED][0], _ROWS_PER_COMPARE):
+                                f"{list(shapes[embed_name])} (that of {embed_name}: config.json has "
+                                "tie_word_embeddings=true)")
+    with open_safetensors(folder / files[_TIED_HEAD]) as h, open_safetensors(folder / files[embed_name]) as e:
+        head, embed = h.get_slice(_TIED_HEAD), e.get_slice(embed_name)
+        for start in range(0, shapes[embed_name][0], _ROWS_PER_COMPARE):
             rows = slice(start, start + _ROWS_PER_COMPARE)
             a, b = head[rows].float(), embed[rows].float()
             if not torch.equal(a, b):
                 raise HFConversionError(
-                    f"config.json has tie_word_embeddings=true, but the folder's {_TIED_HEAD} differs from {_EMBED} "
-                    f"(max |difference| {(a - b).abs().max().item():.3g}, from row {start}): transformers 5 loads "
-                    "such a folder untied and transformers 4 ties it, so which model it holds is ambiguous. Set "
+                    f"config.json has tie_word_embeddings=true, but the folder's {_TIED_HEAD} differs from "
+                    f"{embed_name} (max |difference| {(a - b).abs().max().item():.3g}, from row {start}): "
+                    "transformers 5 loads such a folder untied and transformers 4 ties it, so which model it holds "
+                    "is ambiguous. Set "
                     f"tie_word_embeddings to false to import {_TIED_HEAD} as its own head, or remove {_TIED_HEAD} "
                     "from the folder to import the tied model")
     return {_TIED_HEAD}
@@ -177,15 +183,17 @@ def open_hf_folder(folder: str | Path) -> HFFolder:
     if not cfg_path.is_file():
         raise HFConversionError(f"{str(root)!r} has no config.json; expected a Hugging Face model folder")
     hf_config = read_json_object(cfg_path)
+    custom = hf_config.get("model_type") == CUSTOM_MODEL_TYPE  # our own modeling code (custom_code=True export)
     try:
-        model_config, extra = from_hf_config(hf_config)
+        model_config, extra = from_custom_config(hf_config) if custom else from_hf_config(hf_config)
     except KeyError as e:
         raise HFConversionError(f"{cfg_path} has no {e}; expected a transformers config.json of one of "
-                                f"{', '.join(ARCH)}") from None
+                                f"{', '.join(ARCH)}, or {CUSTOM_MODEL_TYPE}") from None
     model_type = hf_config["model_type"]
-    arch = (hf_config.get("architectures") or [ARCH[model_type]])[0]
-    if arch != ARCH[model_type]:
-        raise HFConversionError(f"config.json architectures={[arch]}: expected [{ARCH[model_type]!r}] for {model_type}")
+    expected_arch = CUSTOM_ARCH if custom else ARCH[model_type]
+    arch = (hf_config.get("architectures") or [expected_arch])[0]
+    if arch != expected_arch:
+        raise HFConversionError(f"config.json architectures={[arch]}: expected [{expected_arch!r}] for {model_type}")
     plan = build_plan(model_config, model_type)
     files = _tensor_files(root)
     shapes, held_in = _shapes(root, files)
@@ -198,7 +206,8 @@ def open_hf_folder(folder: str | Path) -> HFFolder:
             raise HFConversionError(
                 f"tensor {name} has shape {list(shapes[name])}, expected {list(shape)} from config.json"
                 + _attention_defaults_hint(name, hf_config, model_config))
-    tied_copy = _tied_head_copy(root, files, held_in, shapes, model_config)
+    embed = next(name for e in plan if e.ours == "embed.weight" for name, _ in e.hf)
+    tied_copy = _tied_head_copy(root, files, held_in, shapes, model_config, embed)
     mtp_prefixes = tuple(f"model.layers.{i}." for i in mtp_layers(hf_config))
     dropped = sorted(name for name in set(shapes) - set(expected) if name.startswith(mtp_prefixes))
     unexpected = sorted(set(shapes) - set(expected) - set(dropped) - tied_copy)

@@ -12,6 +12,8 @@ would export.
                                                                    or without it the gate pinned open)
     sigmoid (+ expert bias, shared)      -> Glm4MoeForCausalLM    (dense layers must lead; routed scaling;
                                                                    partial rotary)
+    custom_code=True (any valid model)   -> MoeTrainForCausalLM   (moe-train's own modeling code shipped in the
+                                                                   folder, trust_remote_code=True: custom_code.py)
 
 attention_bias (biases on q, k and v, none on o) is GLM-4-MoE's attention_bias and Qwen2-MoE's qkv_bias;
 Llama's, Qwen3's and Qwen3-MoE's attention_bias also puts one on o_proj, which is exported as zeros (and
@@ -54,8 +56,17 @@ class HFConversionError(ValueError):
     """A model, config.json or tensor cannot be converted exactly; the message names it and what was expected."""
 
 
+# A model type of our own: the folder ships moe-train's model as transformers custom code (remote_code/), loaded
+# with trust_remote_code=True. Chosen only when asked for (custom_code=True): it computes every valid model.
+CUSTOM_MODEL_TYPE = "moe_train"
+CUSTOM_ARCH = "MoeTrainForCausalLM"
+CUSTOM_CODE_REMEDY = ("or export it as custom code, which computes it exactly: custom_code=True (moe-train export-hf "
+                      "--custom-code), loaded with transformers' trust_remote_code=True")
+
+
 def _refuse(feature: str, nearest: str) -> HFConversionError:
-    return HFConversionError(f"{feature}: no stock transformers class computes this exactly; nearest that exports: {nearest}")
+    return HFConversionError(f"{feature}: no stock transformers class computes this exactly; nearest that exports: "
+                             f"{nearest}; {CUSTOM_CODE_REMEDY}")
 
 
 # Every field of moe-train's model config, by what the export does with it. A field not listed (one added
@@ -82,9 +93,14 @@ def _check_known_fields(m: dict[str, Any]) -> None:
             "moe_ckpt.hf.spec maps or lists as training-only: teach it the new field")
 
 
-def choose_model_type(m: dict[str, Any], allow_benchmark_routing: bool = False) -> str:
-    """The HF model_type for our model config dict, or HFConversionError naming the feature."""
+def choose_model_type(m: dict[str, Any], allow_benchmark_routing: bool = False, custom_code: bool = False) -> str:
+    """The HF model_type for our model config dict, or HFConversionError naming the feature.
+    custom_code: CUSTOM_MODEL_TYPE for any valid model (moe-train's own modeling file, trust_remote_code)."""
     _check_known_fields(m)
+    if custom_code:
+        _check_custom_code_model(m)
+        _check_routing(m, allow_benchmark_routing)
+        return CUSTOM_MODEL_TYPE
     if m["num_experts"] == 0:
         if rotary_fraction(m) != 1.0:
             raise _refuse(f"rotary_fraction={m['rotary_fraction']!r} in a dense model (LlamaForCausalLM and "
@@ -94,18 +110,42 @@ def choose_model_type(m: dict[str, Any], allow_benchmark_routing: bool = False) 
                 f"num_heads={m['num_heads']} does not divide d_model={m['d_model']} in a dense model without qk_norm: "
                 "LlamaForCausalLM's config refuses a hidden_size that is not a multiple of num_attention_heads "
                 "(head_dim notwithstanding), so transformers could not load the folder; nearest that exports: "
-                "qk_norm=True (Qwen3ForCausalLM) or num_heads dividing d_model")
+                f"qk_norm=True (Qwen3ForCausalLM) or num_heads dividing d_model; {CUSTOM_CODE_REMEDY}")
         return "qwen3" if m["qk_norm"] else "llama"
     model_type = _moe_model_type(m)
     # After the architecture checks: allowing benchmark routing would not make a refused model export.
-    routing = m["router"]["routing"]
+    _check_routing(m, allow_benchmark_routing)
+    return model_type
+
+
+def _check_routing(m: dict[str, Any], allow_benchmark_routing: bool) -> None:
+    routing = m["router"]["routing"] if m["num_experts"] > 0 else "learned"
     if routing != "learned" and not allow_benchmark_routing:
         raise HFConversionError(
             f"router.routing={routing!r} is a benchmark mode (the router weights never chose the experts); "
             "expected 'learned', or pass allow_benchmark_routing=True (moe-train export-hf --allow-benchmark-routing) "
             "to export the router as a learned one"
         )
-    return model_type
+
+
+def _check_custom_code_model(m: dict[str, Any]) -> None:
+    """What the custom-code modeling file needs of a model moe-train itself would build (moe-train validates the
+    rest): named gating, whole GQA groups, whole even rotary dims, a top-k within the experts."""
+    hd = head_dim(m)
+    if m["num_heads"] % m["num_kv_heads"]:
+        raise HFConversionError(f"num_kv_heads={m['num_kv_heads']} does not divide num_heads={m['num_heads']}: "
+                                "expected whole query-head groups per key/value head")
+    rotary = rotary_fraction(m) * hd
+    if rotary != int(rotary) or int(rotary) % 2 or not 0 < rotary <= hd:
+        raise HFConversionError(f"rotary_fraction={m.get('rotary_fraction')!r}: expected a fraction in (0, 1] of "
+                                f"head_dim={hd} that rotates a whole even number of dims (this one gives {rotary:g})")
+    if m["num_experts"] == 0:
+        return
+    r = m["router"]
+    if r["gating"] not in ("softmax", "sigmoid"):
+        raise HFConversionError(f"router.gating={r['gating']!r}: expected 'softmax' or 'sigmoid'")
+    if not 1 <= r["top_k"] <= m["num_experts"]:
+        raise HFConversionError(f"router.top_k={r['top_k']!r}: expected 1 <= top_k <= num_experts={m['num_experts']}")
 
 
 def _moe_model_type(m: dict[str, Any]) -> str:
