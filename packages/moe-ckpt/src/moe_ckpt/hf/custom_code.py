@@ -16,13 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from moe_ckpt.hf.spec import (
-    CUSTOM_ARCH, CUSTOM_MODEL_TYPE, DEFAULT_EXTRA, DTYPES, EXTRA_KEYS, HFConversionError, _check_custom_code_model,
-    _check_known_fields, _checked_extra, head_dim,
+    CUSTOM_ARCH, CUSTOM_MODEL_TYPE, DEFAULT_EXTRA, DTYPES, EXTRA_KEYS, MAPPED_FIELDS, ROUTER_FIELDS, HFConversionError,
+    _check_custom_code_model, _check_known_fields, _checked_extra, head_dim,
 )
 
 MODEL_KEY = "moe_train_model"
 REMOTE_CODE = Path(__file__).parent / "remote_code"
 REMOTE_CODE_FILES = ("configuration_moe_train.py", "modeling_moe_train.py")
+# Fields a model dict may leave out (written before they existed; spec reads them with their defaults), as the
+# modeling file does; every other computed field is in every export, and a folder without one is refused.
+OPTIONAL_FIELDS = frozenset({"head_dim", "attention_bias", "rotary_fraction", "shared_expert_gate"})
+OPTIONAL_ROUTER_FIELDS = frozenset({"routed_scaling_factor"})
 AUTO_MAP = {
     "AutoConfig": "configuration_moe_train.MoeTrainConfig",
     "AutoModel": "modeling_moe_train.MoeTrainModel",
@@ -66,6 +70,14 @@ def from_custom_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
         raise HFConversionError(f"config.json {MODEL_KEY}={m!r}: expected moe-train's model config as an object "
                                 f"(model_type {CUSTOM_MODEL_TYPE!r} folders carry it)")
     m = copy.deepcopy(m)
+    missing = sorted(MAPPED_FIELDS - OPTIONAL_FIELDS - set(m))
+    router = m.get("router")
+    if isinstance(router, dict) and isinstance(m.get("num_experts"), int) and m["num_experts"] > 0:
+        missing += [f"router.{k}" for k in sorted(ROUTER_FIELDS - OPTIONAL_ROUTER_FIELDS - set(router))]
+    if missing:
+        raise HFConversionError(f"config.json {MODEL_KEY} has no {', '.join(missing)}: expected moe-train's whole "
+                                "model config, as the export writes it (a default could describe another model than "
+                                "the one the tensors hold)")
     try:
         _check_known_fields(m)
         _check_custom_code_model(m)

@@ -15,6 +15,7 @@ is), so the folder's tensor names are moe-train's state dict names.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -37,6 +38,15 @@ _CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalL
 def _wide(dtype: torch.dtype) -> torch.dtype:
     """fp32 for bf16 / fp16 / fp32 data, float64 for float64: where moe-train computes norms, router and RoPE."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def _own_dtype(t: torch.Tensor):
+    """A context in which ops on `t` compute in the dtype they are given, whatever torch.autocast says (Trainer's
+    bf16=True / fp16=True run the forward under it): the router logits and the combine's sum stay fp32, as in
+    moe-train (bf16 logits would select other experts for near-ties)."""
+    if torch.amp.is_autocast_available(t.device.type):
+        return torch.autocast(t.device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _model_fields(config: MoeTrainConfig) -> dict:
@@ -118,6 +128,14 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
+            # a static cache (generate(cache_implementation="static")) gives its whole length, the slots after the
+            # tokens so far empty: masked out. One that gives fewer keys than tokens (a sliding window) we do not compute
+            slots, tokens = k.shape[2], mask.shape[-1]
+            if slots < tokens:
+                raise ValueError(f"{type(cache).__name__} gave {slots} keys for {tokens} tokens: expected a cache that "
+                                 "keeps every token (DynamicCache or StaticCache)")
+            if slots > tokens:
+                mask = torch.cat([mask, mask.new_zeros(*mask.shape[:-1], slots - tokens)], dim=-1)
         if self.num_kv_heads != self.num_heads:
             rep = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -161,7 +179,8 @@ class MoELayer(nn.Module):
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """flat: [T, d] -> expert ids [T, k], weights [T, k] (fp32, or float64 for float64 rows)."""
         wide = _wide(flat.dtype)
-        logits = F.linear(flat.to(wide), self.router.weight.to(wide))
+        with _own_dtype(flat):
+            logits = F.linear(flat.to(wide), self.router.weight.to(wide))
         probs = logits.softmax(-1) if self.gating == "softmax" else logits.sigmoid()
         bias = self.router.expert_bias
         scores = probs + bias.to(wide) if bias is not None else probs
@@ -185,7 +204,8 @@ class MoELayer(nn.Module):
                 continue
             gate, up = (flat[token] @ self.experts.w_gate_up[e]).chunk(2, dim=-1)
             rows[token, slot] = ((F.silu(gate) * up) @ self.experts.w_down[e]).to(wide)
-        out = torch.einsum("tkd,tk->td", rows, weights.to(wide)).to(flat.dtype)  # summed in fp32, as moe-train
+        with _own_dtype(rows):
+            out = torch.einsum("tkd,tk->td", rows, weights.to(wide)).to(flat.dtype)  # summed in fp32, as moe-train
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)
             if self.shared_expert_gate is not None:
@@ -213,6 +233,7 @@ class MoeTrainPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["Block"]
     _supports_sdpa = True
+    supports_gradient_checkpointing = True  # gradient_checkpointing_enable(): MoeTrainModel recomputes each block
     # the selection bias stays fp32 in a bf16 / fp16 model (the export writes it fp32), as GLM-4-MoE's
     _keep_in_fp32_modules_strict = ["expert_bias"]
 
@@ -232,6 +253,13 @@ class MoeTrainPreTrainedModel(PreTrainedModel):
             bias = getattr(module, "expert_bias", None)
             if isinstance(module, Router) and bias is not None and not getattr(bias, "_is_hf_initialized", False):
                 bias.zero_()
+
+    def resize_token_embeddings(self, *args, **kwargs) -> nn.Embedding:
+        """transformers' resize, then moe_train_model's vocab_size set to the new config.vocab_size: the model dict is
+        what a saved folder is built from (and what import reads), so it must describe the resized tensors."""
+        embeddings = super().resize_token_embeddings(*args, **kwargs)
+        self.config.moe_train_model = {**self.config.moe_train_model, "vocab_size": self.config.vocab_size}
+        return embeddings
 
 
 def _positions_and_mask(attention_mask, batch: int, seq: int, past: int, device):
@@ -267,6 +295,7 @@ class MoeTrainModel(MoeTrainPreTrainedModel):
         self.embed = nn.Embedding(m["vocab_size"], m["d_model"])
         self.blocks = nn.ModuleList(Block(m, i) for i in range(m["num_layers"]))
         self.norm = RMSNorm(m["d_model"], m["norm_eps"])
+        self.gradient_checkpointing = False  # set by gradient_checkpointing_enable(), with _gradient_checkpointing_func
         self.post_init()
 
     def get_input_embeddings(self):
@@ -276,14 +305,24 @@ class MoeTrainModel(MoeTrainPreTrainedModel):
         self.embed = value
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, cache=None, **kwargs) -> BaseModelOutputWithPast:
-        """input_ids: [B, S] -> last hidden state [B, S, d] (after the final norm) and the cache."""
+                inputs_embeds=None, use_cache=None, cache=None, output_hidden_states=None, output_attentions=None,
+                **kwargs) -> BaseModelOutputWithPast:
+        """input_ids: [B, S] -> last hidden state [B, S, d] (after the final norm) and the cache; with
+        output_hidden_states also the embeddings and each block's output (the last one after the final norm, as
+        transformers' models give them)."""
+        if output_attentions if output_attentions is not None else getattr(self.config, "output_attentions", False):
+            raise ValueError("output_attentions=True: attention runs in torch's scaled_dot_product_attention, which "
+                             "gives no attention weights; expected output_attentions=False")
+        if output_hidden_states is None:
+            output_hidden_states = getattr(self.config, "output_hidden_states", False)
         cache = cache if cache is not None else past_key_values
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         use_cache = use_cache if use_cache is not None else getattr(self.config, "use_cache", True)
-        if not use_cache:
+        # a block recomputed in backward would write its keys and values into a cache a second time: none then
+        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        if not use_cache or checkpointing:
             cache = None
         elif cache is None:
             cache = DynamicCache()
@@ -293,9 +332,16 @@ class MoeTrainModel(MoeTrainPreTrainedModel):
         if position_ids is not None:
             positions = position_ids.to(x.device).expand(b, s)
         cos, sin = rope_tables(positions, self.rotary_dim, self.rope_theta, _wide(x.dtype))
+        states = [x]
         for block in self.blocks:
-            x = block(x, cos, sin, mask, cache)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(x), **{_CACHE_FIELD: cache})
+            if checkpointing:
+                x = self._gradient_checkpointing_func(block.__call__, x, cos, sin, mask, None)
+            else:
+                x = block(x, cos, sin, mask, cache)
+            states.append(x)
+        x = states[-1] = self.norm(x)
+        hidden_states = tuple(states) if output_hidden_states else None
+        return BaseModelOutputWithPast(last_hidden_state=x, hidden_states=hidden_states, **{_CACHE_FIELD: cache})
 
 
 class MoeTrainForCausalLM(MoeTrainPreTrainedModel, GenerationMixin):
@@ -317,6 +363,11 @@ class MoeTrainForCausalLM(MoeTrainPreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.lm_head
 
+    def create_masks_for_generate(self, attention_mask=None, **kwargs):
+        """generate() with a compileable cache (cache_implementation="static") asks the model for a 4-D mask: forward
+        builds its own from the 2-D padding mask, which goes back as it came."""
+        return attention_mask
+
     def set_output_embeddings(self, value):
         self.lm_head = value
 
@@ -324,15 +375,24 @@ class MoeTrainForCausalLM(MoeTrainPreTrainedModel, GenerationMixin):
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, cache=None,
                 return_dict=None, **kwargs) -> CausalLMOutputWithPast:
         """input_ids: [B, S] -> logits [B, S, V] (the last logits_to_keep positions when > 0) and the cache;
-        labels [B, S]: also the mean next-token cross-entropy (-100 ignored)."""
+        labels [B, S]: also the mean next-token cross-entropy (-100 ignored), or its sum over num_items_in_batch
+        when given (transformers' Trainer passes the count of the targets of all micro-batches of an optimizer step
+        and then leaves the loss undivided by the gradient accumulation steps)."""
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          inputs_embeds=inputs_embeds, use_cache=use_cache,
-                         cache=cache if cache is not None else past_key_values)
+                         cache=cache if cache is not None else past_key_values, **kwargs)
         h = out.last_hidden_state
         logits = self.lm_head(h[:, -logits_to_keep:] if isinstance(logits_to_keep, int) and logits_to_keep > 0 else h)
         loss = None
         if labels is not None:
             shift = logits[:, :-1].reshape(-1, logits.shape[-1]).to(_wide(logits.dtype))
-            loss = F.cross_entropy(shift, labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100)
-        result = CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)})
+            targets = labels[:, 1:].reshape(-1).to(logits.device)
+            if num_items_in_batch is None:
+                loss = F.cross_entropy(shift, targets, ignore_index=-100)
+            else:
+                loss = F.cross_entropy(shift, targets, ignore_index=-100, reduction="sum")
+                loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device)
+        result = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
+                                        **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)})
         return result if return_dict is not False else result.to_tuple()
