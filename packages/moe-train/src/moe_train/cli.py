@@ -14,6 +14,7 @@ import signal
 import sys
 import traceback
 import warnings
+from pathlib import Path
 
 from moe_ckpt import CheckpointError
 from moe_train.config import ConfigError
@@ -282,8 +283,6 @@ def _holds_checkpoint(folder) -> bool:
 def _existing_saved_run(given: str, expected: str):
     """Path(given), for inspect and export-hf; one that does not exist, or a run that has not saved yet, is
     refused naming it (moe_ckpt would say it has no index.json, or that no reader recognises it)."""
-    from pathlib import Path
-
     from moe_train.trainer.checkpoint import checkpoint_root
 
     path = Path(given)
@@ -369,9 +368,13 @@ def _cmd_hf(args) -> None:
         print(f"wrote {args.out}: {summary.architecture} from {source}, {summary.num_tensors} tensors, "
               f"{summary.total_bytes / 2**20:.1f} MiB of {args.dtype} in {shards}"
               f"{f', pushed to {args.push_to_hub}' if args.push_to_hub else ''}")
+        # AutoTokenizer reads config.json through AutoConfig first: without trust_remote_code, a custom-code folder
+        # makes it ask "Do you wish to run the custom code? [y/N]" (and wait 15 s) before it falls back
         remote = ", trust_remote_code=True" if args.custom_code else ""
-        print(f"load it: transformers.AutoModelForCausalLM.from_pretrained({args.out!r}{remote}), "
-              f"AutoTokenizer.from_pretrained({args.out!r})")
+        shipped = (Path(args.out) / "tokenizer.json").is_file()
+        tokenizer = (f", AutoTokenizer.from_pretrained({args.out!r}{remote})" if shipped
+                     else " (no tokenizer.json in it: export-hf --tokenizer ships one)")
+        print(f"load it: transformers.AutoModelForCausalLM.from_pretrained({args.out!r}{remote}){tokenizer}")
     else:
         cfg, _ = import_hf(args.folder, args.out)
         print(f"wrote {args.out} (preset-free config, {cfg.model.num_layers} layers, {cfg.model.num_experts} experts)")

@@ -263,8 +263,11 @@ def validate(cfg: Config) -> Config:
     _check(0 < m.rotary_fraction <= 1, "model.rotary_fraction", m.rotary_fraction,
            "in (0, 1] (the fraction of each head's dims RoPE rotates)")
     if m.rotary_fraction == 1:
+        # a null head_dim is named with the two fields it comes from: the user set those, not it
+        derived = ("" if m.head_dim is not None
+                   else f"; null: model.d_model={m.d_model} // model.num_heads={m.num_heads}")
         _check(m.resolved_head_dim % 2 == 0, "model.head_dim", m.resolved_head_dim,
-               "an even number (RoPE rotates pairs)")
+               f"an even number (RoPE rotates pairs{derived})")
     rotary = m.rotary_fraction * m.resolved_head_dim
     _check(rotary == int(rotary) and int(rotary) % 2 == 0, "model.rotary_fraction", m.rotary_fraction,
            f"a fraction of head_dim={m.resolved_head_dim} that rotates a whole even number of dims (RoPE rotates "

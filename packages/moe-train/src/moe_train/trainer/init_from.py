@@ -10,6 +10,7 @@ never reads the source again (its weights are in that checkpoint).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -48,6 +49,27 @@ def check_init_source(cfg: Config) -> Path:
                           "give this run the checkpoint's model settings (an import-hf output's config.json works as "
                           "--config)")
     return path
+
+
+def warn_if_another_tokenizer(source: Path, data_dir: Path, data_tokenizer: str) -> None:
+    """An import-hf output carries its model's tokenizer.json; a data folder tokenized by another one feeds the weights
+    ids that stand for other text, and nothing else would tell (the output's config.json names the embedded corpus,
+    whose BPE is the model's only if the model was trained on it with the same data settings)."""
+    from moe_train.data import DataError
+    from moe_train.data.prepare import load_tokenizer
+
+    theirs, ours = source / "tokenizer.json", data_dir / data_tokenizer
+    if not (theirs.is_file() and ours.is_file()):
+        return
+    try:
+        same = load_tokenizer(str(theirs)).to_str() == load_tokenizer(str(ours)).to_str()
+    except DataError:  # a damaged file: the weights load all the same, and its own tools say what is wrong
+        return
+    if not same:
+        warnings.warn(f"train.init_from={str(source)!r} holds the tokenizer.json its weights were trained with, and "
+                      f"the data folder {str(data_dir)!r} was tokenized by another: the model reads its token ids as "
+                      f"other text; tokenize the data with the model's (moe-train prepare-data --tokenizer {theirs} "
+                      "--out DIR, then --data.path=DIR)", stacklevel=3)
 
 
 def _hugging_face_model_type(path: Path) -> str | None:

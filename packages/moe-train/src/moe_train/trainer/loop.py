@@ -30,7 +30,9 @@ from moe_train.trainer.runtime import Runtime, StepResult
 from moe_train.trainer.launch import make_runtime
 from moe_train.trainer.schedule import schedule_change, train_lr_at
 from moe_train.trainer.errors import TrainingError
-from moe_train.trainer.init_from import check_init_source, load_initial_weights, ranks_agree_on
+from moe_train.trainer.init_from import (
+    check_init_source, load_initial_weights, ranks_agree_on, warn_if_another_tokenizer,
+)
 
 
 def pick_device(name: str) -> torch.device:
@@ -77,6 +79,15 @@ class Trainer:
                 warnings.warn(f"train.warmup_steps={t.warmup_steps} > train.steps={t.steps}: the whole run warms up, "
                               f"its lr peaks at lr x {t.steps}/{t.warmup_steps} = {t.lr * t.steps / t.warmup_steps:.3g} "
                               f"(train.lr={t.lr:g}) and never decays", stacklevel=2)
+            routing = cfg.model.router.routing
+            if routing != "learned" and cfg.model.num_experts > 0 and self.is_main:  # the bench presets' default
+                from moe_train.presets import PRESETS
+
+                preset = cfg.preset in PRESETS and PRESETS[cfg.preset]().model.router.routing == routing
+                sets = f" (preset {cfg.preset} sets it)" if preset else ""
+                warnings.warn(f"model.router.routing={routing!r}{sets} is a benchmark mode: the router never chooses "
+                              "the experts, so this run does not train a model to use (export-hf refuses it); set "
+                              "--model.router.routing=learned to train the router", stacklevel=2)
             p = cfg.parallel
             if p.expert_capacity_factor > 0 and p.ep == 1 and self.is_main:
                 warnings.warn(f"parallel.expert_capacity_factor={p.expert_capacity_factor:g} drops nothing with "
@@ -111,6 +122,7 @@ class Trainer:
         """The training sampler and the eval windows from `data_dir`, every token id checked against the model's."""
         cfg, t = self.cfg, self.cfg.train
         self.meta, splits = open_data(data_dir, cfg.model.vocab_size)
+        self.data_dir = data_dir
         vocab = cfg.model.vocab_size
         self.sampler = WindowSampler(splits["train"].tokens, cfg.data.seq_len, cfg.data.seed, vocab_size=vocab)
         self.eval_data = eval_windows(splits["eval"].tokens, cfg.data.seq_len, t.eval_windows,
@@ -403,6 +415,8 @@ class Trainer:
                 self.restore(resume_from)
             elif init_from is not None:
                 load_initial_weights(init_from, rt, self.model)
+                if self.is_main:
+                    warn_if_another_tokenizer(init_from, self.data_dir, self.meta.get("tokenizer", "tokenizer.json"))
                 if self.is_main and t.progress:
                     print(f"initialised from {init_from}", flush=True)
             # step records this run writes again: past the checkpoint (from a run that died after
