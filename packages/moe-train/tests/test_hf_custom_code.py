@@ -21,14 +21,16 @@ from safetensors import safe_open
 
 from moe_ckpt.hf import HFConversionError
 from moe_train.cli import main
-from moe_train.config import Config, ModelConfig, RouterConfig, validate
+from moe_train.config import Config
 from moe_train.hf_bridge import export_hf, import_hf
 from moe_train.model import Transformer
 
 transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hf_logits_helpers import one_thread  # noqa: E402,F401 - autouse: one torch thread for the module
+from hf_logits_helpers import hf_home, one_thread, our_greedy, random_model  # noqa: E402,F401 - fixtures
+
+pytestmark = pytest.mark.usefixtures("hf_home")  # transformers' caches in a temporary folder
 
 BASE = dict(vocab_size=97, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2, dense_hidden=40, num_experts=4,
             expert_hidden=16, init_std=0.1, rope_theta=1000.0, norm_eps=1e-5)
@@ -50,39 +52,8 @@ REFUSED_BY_STOCK = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def hf_home(tmp_path_factory):
-    """transformers' caches (the copied modeling files: HF_MODULES_CACHE, read when transformers is imported, so
-    also patched where it is used) in a temporary folder, never under the home folder."""
-    home = tmp_path_factory.mktemp("hf_home")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HOME", str(home))
-        mp.setenv("HF_MODULES_CACHE", str(home / "modules"))
-        mp.setattr(transformers.dynamic_module_utils, "HF_MODULES_CACHE", str(home / "modules"))
-        mp.setattr(sys, "path", list(sys.path))  # transformers appends the modules folder
-        yield home
-
-
 def make_model(overrides: dict) -> Transformer:
-    kw = {**BASE, **overrides}
-    cfg = validate(Config(model=ModelConfig(router=RouterConfig(**kw.pop("router", {})), **kw))).model
-    torch.manual_seed(3)
-    model = Transformer(cfg)
-    with torch.no_grad():
-        for name, t in model.state_dict().items():
-            if name.endswith("norm.weight"):
-                t.copy_(1.0 + 0.3 * torch.randn_like(t))
-            elif name.endswith((".bias", "expert_bias")) or "shared_expert_gate" in name:
-                t.copy_(0.2 * torch.randn_like(t))
-    return model.eval()
-
-
-def our_greedy(model: Transformer, ids: torch.Tensor, n: int) -> torch.Tensor:
-    """Greedy decoding with our model, the whole sequence recomputed each step (no cache)."""
-    with torch.no_grad():
-        for _ in range(n):
-            ids = torch.cat([ids, model(ids)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids
+    return random_model(BASE, overrides, seed=3)
 
 
 @pytest.mark.parametrize("case", list(REFUSED_BY_STOCK))

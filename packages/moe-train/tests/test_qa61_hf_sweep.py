@@ -18,14 +18,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from moe_train.config import Config, ModelConfig, RouterConfig, validate
+from moe_train.config import ModelConfig
 from moe_train.hf_bridge import export_hf, import_hf
 from moe_train.model import Transformer
 
 transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hf_logits_helpers import one_thread  # noqa: E402,F401 - autouse: one torch thread for the module
+from hf_logits_helpers import one_thread, our_greedy, random_model  # noqa: E402,F401 - autouse: one thread
 
 BASE = dict(vocab_size=97, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, dense_hidden=40, num_experts=4,
             expert_hidden=16, init_std=0.1, rope_theta=1000.0, norm_eps=1e-5)
@@ -88,25 +88,7 @@ CASES = {
 
 
 def make_model(overrides: dict) -> Transformer:
-    """A tiny fp32 model whose every tensor is random (norms around 1, biases, gates and expert biases non-zero)."""
-    kw = {**BASE, **overrides}
-    cfg = validate(Config(model=ModelConfig(router=RouterConfig(**kw.pop("router", {})), **kw))).model
-    torch.manual_seed(61)
-    model = Transformer(cfg)
-    with torch.no_grad():
-        for name, t in model.state_dict().items():
-            if name.endswith("norm.weight"):
-                t.copy_(1.0 + 0.3 * torch.randn_like(t))
-            elif name.endswith((".bias", "expert_bias")) or "shared_expert_gate" in name:
-                t.copy_(0.2 * torch.randn_like(t))
-    return model.eval()
-
-
-def our_greedy(model: Transformer, ids: torch.Tensor, n: int) -> torch.Tensor:
-    with torch.no_grad():
-        for _ in range(n):
-            ids = torch.cat([ids, model(ids)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids
+    return random_model(BASE, overrides, seed=61)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -18,32 +18,16 @@ from moe_ckpt.hf import HFConversionError
 from moe_train.hf_bridge import export_hf, import_hf
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hf_logits_helpers import one_thread  # noqa: E402,F401 - autouse: one torch thread for the module
-from test_hf_custom_code import (  # noqa: E402,F401 - hf_home: used by own_modules_package
-    REFUSED_BY_STOCK, hf_home, make_model, our_greedy, transformers,
-)
+from hf_logits_helpers import hf_home, one_thread, our_greedy, transformers  # noqa: E402,F401 - fixtures
+from test_hf_custom_code import REFUSED_BY_STOCK, make_model  # noqa: E402
 
 OLMO3 = REFUSED_BY_STOCK["olmo3"][0]
 OVERRIDES = {**OLMO3, "router": {**OLMO3["router"], "expert_bias": True}}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def own_modules_package(request):
-    """transformers imports a folder's modeling file from the package transformers_modules, which stays bound to the
-    module cache it was first imported from (test_hf_custom_code's, gone with its hf_home): forgotten before this
-    module and after it, so each module's hf_home serves its own."""
-    request.getfixturevalue("hf_home")
-
-    def forget():
-        for name in [n for n in sys.modules if n.split(".")[0] == "transformers_modules"]:
-            del sys.modules[name]
-    forget()
-    yield
-    forget()
-
-
 @pytest.fixture(scope="module")
-def exported(own_modules_package, tmp_path_factory):
+def exported(request, tmp_path_factory):
+    request.getfixturevalue("hf_home")  # transformers' caches in a temporary folder, before anything loads
     model = make_model(OVERRIDES)
     out = tmp_path_factory.mktemp("qa86") / "hf"
     export_hf(model, out, dtype="fp32", custom_code=True)

@@ -24,6 +24,9 @@ from moe_train.model import Transformer
 
 transformers = pytest.importorskip("transformers")
 
+sys.path.insert(0, str(Path(__file__).parent))
+from hf_logits_helpers import hf_home  # noqa: E402,F401 - fixture
+
 # olmo3-bench-e8 (softmax, shared expert, per-head QK-norm, dense first layer) at a size that trains in well under 1 s
 SHRINK = ["--model.d_model=32", "--model.num_layers=2", "--model.num_heads=4", "--model.num_kv_heads=2",
           "--model.dense_hidden=48", "--model.expert_hidden=16", "--model.shared_expert_hidden=16",
@@ -31,17 +34,7 @@ SHRINK = ["--model.d_model=32", "--model.num_layers=2", "--model.num_heads=4", "
           "--train.warmup_steps=1", "--train.progress=false", "--train.log_interval=1"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def hf_home(tmp_path_factory):
-    """transformers' caches (HF_MODULES_CACHE, read when transformers is imported, so also patched where it is used)
-    in a temporary folder, never under the home folder."""
-    home = tmp_path_factory.mktemp("hf_home")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HOME", str(home))
-        mp.setenv("HF_MODULES_CACHE", str(home / "modules"))
-        mp.setattr(transformers.dynamic_module_utils, "HF_MODULES_CACHE", str(home / "modules"))
-        mp.setattr(sys, "path", list(sys.path))  # transformers appends the modules folder
-        yield home
+pytestmark = pytest.mark.usefixtures("hf_home")  # transformers' caches in a temporary folder
 
 
 def load_it_line(out: str) -> str:
