@@ -79,7 +79,8 @@ def test_only_this_hosts_leftovers_of_exited_exports_are_removed_and_another_hos
     [warning] = [str(w.message) for w in got]
     assert f"left {', '.join(sorted(p.name for p in foreign))} beside it alone: made by an export on another " \
            f"host (this is {HOST}), which may still be running" in warning
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [".moe_ckpt_export", "config.json", "generation_config.json",
+                                                      "model.safetensors"]
 
 
 def test_a_moved_aside_export_is_restored_only_when_this_host_left_it(tmp_path):

@@ -264,7 +264,8 @@ def test_leftovers_of_killed_exports_to_the_same_folder_are_removed_and_nothing_
     assert all((p / "model.safetensors").read_text() == "x" for p in [*kept, target])
     assert (tmp_path / f".hf.old-{dead}-11111111").is_file()
     assert (tmp_path / f".hf.tmp-{dead}-22222222").is_symlink()
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [".moe_ckpt_export", "config.json", "generation_config.json",
+                                                      "model.safetensors"]
 
 
 def test_a_previous_export_moved_aside_by_a_killed_export_is_restored_with_a_warning(tmp_path):

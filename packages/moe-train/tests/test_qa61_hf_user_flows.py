@@ -68,8 +68,8 @@ def test_cli_export_of_a_prepared_data_run_ships_its_tokenizer_and_replaces_an_e
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     assert main(["export-hf", str(run), str(out), "--dtype", "fp32"]) == 0  # over the earlier export
     assert _listing(out.parent) == ["hf"]  # nothing left beside it
-    assert _listing(out) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                             "tokenizer_config.json"]
+    assert _listing(out) == [".moe_ckpt_export", "config.json", "generation_config.json", "model.safetensors",
+                             "tokenizer.json", "tokenizer_config.json"]
     assert (out / "tokenizer.json").read_bytes() == (data_dir / "tokenizer.json").read_bytes()
 
     ours_tok = load_tokenizer(str(data_dir / "tokenizer.json"))
@@ -109,8 +109,8 @@ def test_a_sharded_export_of_a_run_loads_in_transformers_and_imports_back_exactl
         assert torch.equal(state[name], t), name
 
     export_hf(run, out, dtype="fp32")  # one file now: the earlier shards and index go with the earlier export
-    assert _listing(out) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                             "tokenizer_config.json"]
+    assert _listing(out) == [".moe_ckpt_export", "config.json", "generation_config.json", "model.safetensors",
+                             "tokenizer.json", "tokenizer_config.json"]
 
 
 BASE = dict(vocab_size=96, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, dense_hidden=48, num_experts=4,

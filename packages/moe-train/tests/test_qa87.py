@@ -115,3 +115,27 @@ def test_an_odd_derived_head_dim_names_the_fields_it_comes_from():
         validate(cfg)
     with pytest.raises(ConfigError, match=re.escape("model.head_dim=5: expected an even number (RoPE rotates pairs)")):
         validate(Config(model=ModelConfig(d_model=40, num_heads=8, num_kv_heads=8, head_dim=5)))
+
+
+def test_an_export_never_replaces_a_model_folder_it_did_not_write(tmp_path):
+    """A folder of the names an export writes (config.json, model.safetensors, tokenizer files: a model downloaded
+    from the Hub) was replaced whole by an export into it; now only a folder holding an export's marker is replaced.
+    Before the fix the second export below succeeded and the downloaded model was gone."""
+    from moe_ckpt.hf import HFConversionError
+    from moe_train.hf_bridge import export_hf
+
+    model = Transformer(validate(Config(model=ModelConfig(
+        vocab_size=64, d_model=16, num_layers=1, num_heads=2, num_kv_heads=2, dense_hidden=24, num_experts=2,
+        expert_hidden=8))).model)
+    downloaded = tmp_path / "Qwen3-30B-A3B"
+    downloaded.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (downloaded / name).write_text(f"someone's {name}")
+    with pytest.raises(HFConversionError, match=r"no export of ours wrote \(it has no \.moe_ckpt_export"):
+        export_hf(model, downloaded, dtype="fp32")
+    assert sorted(p.read_text() for p in downloaded.iterdir()) == [
+        "someone's config.json", "someone's model.safetensors", "someone's tokenizer.json"]
+    ours = tmp_path / "ours"
+    export_hf(model, ours, dtype="fp32")
+    export_hf(model, ours, dtype="bf16")  # an export of ours is still replaced
+    assert json.loads((ours / "config.json").read_text())["torch_dtype"] == "bfloat16"

@@ -19,6 +19,7 @@ from typing import Any, Union
 import torch
 from safetensors.torch import save_file
 
+from moe_ckpt import __version__
 from moe_ckpt.hf.custom_code import REMOTE_CODE_FILES, to_custom_config, write_remote_code
 from moe_ckpt.hf.folder_swap import write_folder_whole
 from moe_ckpt.hf.layout import Entry, build_plan, to_hf
@@ -172,8 +173,12 @@ def _warn_unaligned_experts(model_config: dict[str, Any], dtype: str, out_dir: s
             UserWarning, stacklevel=3)
 
 
+# Written into every export: an existing out_dir is replaced only when it holds it (or nothing). A folder of the same
+# file names without it (a model downloaded from the Hub, an export by another tool, or ours before moe-ckpt 0.15.2)
+# is someone else's and is refused, not replaced.
+EXPORT_MARKER = ".moe_ckpt_export"
 _EXPORT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "model.safetensors", "model.safetensors.index.json", *REMOTE_CODE_FILES)
+                 "model.safetensors", "model.safetensors.index.json", EXPORT_MARKER, *REMOTE_CODE_FILES)
 
 
 def _is_export_file(name: str) -> bool:
@@ -185,12 +190,19 @@ def _check_replaceable(final: Path) -> None:
         return
     if not final.is_dir():
         raise HFConversionError(f"out_dir={str(final)!r} is a file; expected a folder to write the export into")
-    foreign = sorted(p.name for p in final.iterdir() if not (p.is_file() and _is_export_file(p.name)))
+    held = sorted(final.iterdir())
+    foreign = [p.name for p in held if not (p.is_file() and _is_export_file(p.name))]
     if foreign:
         raise HFConversionError(
             f"out_dir={str(final)!r} holds files that are not a Hugging Face export of ours "
             f"({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); export into an empty or new folder"
         )
+    if held and not (final / EXPORT_MARKER).is_file():
+        raise HFConversionError(
+            f"out_dir={str(final)!r} holds a Hugging Face model folder ({', '.join(p.name for p in held[:5])}"
+            f"{', ...' if len(held) > 5 else ''}) that no export of ours wrote (it has no {EXPORT_MARKER}: a downloaded "
+            "model, another tool's export, or ours before moe-ckpt 0.15.2), so it is not replaced; export into an empty "
+            "or new folder, or remove that one first")
 
 
 def _write_folder(out, plan, shard_of, n_shards, total, source, dtype, hf_config, tokenizer_json) -> int:
@@ -222,6 +234,8 @@ def _write_folder(out, plan, shard_of, n_shards, total, source, dtype, hf_config
         write_tokenizer(out, tokenizer_json, hf_config)
     if hf_config["model_type"] == CUSTOM_MODEL_TYPE:
         write_remote_code(out)
+    (out / EXPORT_MARKER).write_text(f"written by moe-ckpt {__version__} export_hf_folder; a later export may replace "
+                                     "this folder\n")
     return len(weight_map)
 
 
