@@ -11,8 +11,7 @@ import torch
 
 from moe_train.config import Config, ConfigError
 from moe_train.model import Transformer, count_params, flops_per_token
-from moe_train.trainer.launch import make_runtime
-from moe_train.trainer.loop import pick_device
+from moe_train.trainer.launch import make_runtime, pick_device
 from moe_train.trainer.metrics import max_over_ranks
 from moe_train.trainer.mfu import peak_tflops
 from moe_train.trainer.runtime import Runtime

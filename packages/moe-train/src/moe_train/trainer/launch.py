@@ -18,6 +18,14 @@ from moe_train.trainer.distributed_runtime import DistributedRuntime
 from moe_train.trainer.runtime import LocalRuntime, Runtime
 
 
+def pick_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device='cuda': expected a visible CUDA GPU, found none")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 

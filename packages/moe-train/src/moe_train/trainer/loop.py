@@ -17,30 +17,22 @@ from moe_train.config import Config, ConfigError, validate
 from moe_train.data import DataError, WindowSampler, eval_windows, open_data
 from moe_train.model import Transformer, count_params, flops_per_token
 from moe_train.model.router import refuse_a_router_the_loss_cannot_train
-from moe_train.model.transformer import IGNORED_TARGET
 from moe_ckpt import AsyncCheckpointer, capture_rng_state, fail_together, restore_rng_state, step_of
 from moe_train.trainer import checkpoint as ckpt
 from moe_train.trainer.ctrl_c import CtrlCWatch, stop_description
 from moe_train.trainer.data_setup import check_embedded_corpus_settings, resolve_data_dir
 from moe_train.trainer.metrics import MetricsLog, max_over_ranks, peak_memory_gib, router_health
 from moe_train.trainer.mfu import peak_tflops
-from moe_train.trainer.run_history import check_fresh_start_loses_no_history
 from moe_train.trainer.run_lock import RunFolderBusyError, RunFolderLock
 from moe_train.trainer.runtime import Runtime, StepResult
-from moe_train.trainer.launch import make_runtime
+from moe_train.trainer.launch import make_runtime, pick_device
 from moe_train.trainer.schedule import schedule_change, train_lr_at
 from moe_train.trainer.errors import TrainingError
-from moe_train.trainer.init_from import (
-    check_init_source, load_initial_weights, ranks_agree_on, warn_if_another_tokenizer,
-)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device='cuda': expected a visible CUDA GPU, found none")
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+from moe_train.trainer.evaluation import mean_eval_loss
+from moe_train.trainer.init_from import load_initial_weights, warn_if_another_tokenizer
+from moe_train.trainer.rank0_checks import checked_on_rank0
+from moe_train.trainer.resume_point import find_resume_point
+from moe_train.trainer.start_warnings import warn_about_settings
 
 
 class Trainer:
@@ -72,28 +64,8 @@ class Trainer:
             # stops every rank, not that rank alone while the others wait in the next collective
             fail_together(lambda: self._open_data(data_dir), rt.rank, rt.world_size,
                           lambda flags: rt.all_reduce_sum(flags.to(self.device)).cpu(), f"opening data.path={data_dir}")
-            if self.device.type == "cpu" and t.seed >= 2**32 and self.is_main:
-                warnings.warn(f"train.seed={t.seed}: torch's CPU generator keeps the low 32 bits of a seed, so on "
-                              f"the CPU this run initialises as train.seed={t.seed % 2**32} does", stacklevel=2)
-            if t.warmup_steps > t.steps and self.is_main:
-                warnings.warn(f"train.warmup_steps={t.warmup_steps} > train.steps={t.steps}: the whole run warms up, "
-                              f"its lr peaks at lr x {t.steps}/{t.warmup_steps} = {t.lr * t.steps / t.warmup_steps:.3g} "
-                              f"(train.lr={t.lr:g}) and never decays", stacklevel=2)
-            routing = cfg.model.router.routing
-            if routing != "learned" and cfg.model.num_experts > 0 and self.is_main:  # the bench presets' default
-                from moe_train.presets import PRESETS
-
-                preset = cfg.preset in PRESETS and PRESETS[cfg.preset]().model.router.routing == routing
-                sets = f" (preset {cfg.preset} sets it)" if preset else ""
-                warnings.warn(f"model.router.routing={routing!r}{sets} is a benchmark mode: the router never chooses "
-                              "the experts, so this run does not train a model to use (export-hf refuses it); set "
-                              "--model.router.routing=learned to train the router", stacklevel=2)
-            p = cfg.parallel
-            if p.expert_capacity_factor > 0 and p.ep == 1 and self.is_main:
-                warnings.warn(f"parallel.expert_capacity_factor={p.expert_capacity_factor:g} drops nothing with "
-                              "parallel.ep=1: the capacity is per EP rank (ceil(factor x the rank's tokens x top_k) of "
-                              "the rows it receives), and a rank that holds every expert receives exactly tokens x "
-                              "top_k rows", stacklevel=2)
+            if self.is_main:
+                warn_about_settings(cfg, self.device)
             torch.manual_seed(t.seed)
             self.model = rt.setup(Transformer(cfg.model, device="meta"))  # each rank allocates only its slice
             self.run_dir = Path(t.run_dir)
@@ -147,24 +119,7 @@ class Trainer:
             "not lock it or write in it; its error says which)"))
 
     def _checked_on_rank0(self, check: Callable[[], None], on_other_ranks: Exception) -> None:
-        """Rank 0 runs `check` (the run folder and its log are rank 0's); its error, whatever its type, is raised
-        there and `on_other_ranks` everywhere else, so every rank stops together (one all-reduce). Any type: a
-        NotADirectoryError from the lock, or an ENOSPC from a metrics.jsonl write, raised on rank 0 alone left the
-        others waiting in their next collective (gloo: "Connection closed by peer"; NCCL: the collective timeout)."""
-        refused: Exception | None = None
-        if self.is_main:
-            try:
-                check()
-            except Exception as e:  # noqa: BLE001 - shared below, then raised
-                refused = e
-        flag = self.runtime.all_reduce_sum(torch.tensor([float(refused is not None)], device=self.device))
-        try:
-            if refused is not None:
-                raise refused
-        finally:
-            del refused  # its traceback holds this frame: no cycle keeping the error (and the runtime) alive
-        if flag.item() > 0:
-            raise on_other_ranks
+        checked_on_rank0(self.runtime, check, on_other_ranks)
 
     def _log(self, record: dict[str, Any]) -> None:
         """Every rank calls this: rank 0 appends `record` to metrics.jsonl; if that fails (a full disk), every
@@ -188,35 +143,9 @@ class Trainer:
     def _amp(self):
         return torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else nullcontext()
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        """The mean loss over the eval set, each window evaluated once: data-parallel rank r takes batches
-        r, r+dp, ... and the sums meet in one all-reduce, so every rank returns the same value. Every rank
-        runs the same number of forwards (expert parallelism exchanges rows in each); a rank with no batch
-        left repeats one (its first, or batch dp_rank % batches) and counts nothing."""
-        rt = self.runtime
-        batches = self.eval_data
-        rounds = -(-len(batches) // rt.dp_size)
-        total = torch.zeros(2, device=self.device)  # sum of batch-mean losses x scored targets, scored targets
-        self.model.eval()
-        # random routing draws from a copy of the generators here: how often a run evaluates leaves its training
-        # draws, losses and weights as they are
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [], device_type="cuda"):
-            for i in range(rounds):
-                index = rt.dp_rank + i * rt.dp_size
-                x, y = batches[index] if index < len(batches) else batches[rt.dp_rank % len(batches)]
-                y = y.to(self.device)
-                with self._amp():
-                    ce, _ = self.model.loss(x.to(self.device), y)
-                if index < len(batches):
-                    # weighted by the targets the batch scores (a -100 target is left out of ce's mean), so the result
-                    # is the token-weighted mean whatever the batching; a batch of only -100 (ce NaN) adds nothing
-                    scored = (y != IGNORED_TARGET).sum().float()
-                    total[0] += torch.where(scored > 0, ce.float() * scored, 0.0)
-                    total[1] += scored
-        self.model.train()
-        total = rt.all_reduce_sum(total).tolist()
-        return total[0] / total[1] if total[1] else float("nan")
+        """The mean loss over the eval set, the same on every rank (evaluation.mean_eval_loss)."""
+        return mean_eval_loss(self.model, self.eval_data, self.runtime, self._amp)
 
     def _train_step(self) -> dict[str, float]:
         t, rt = self.cfg.train, self.runtime
@@ -310,48 +239,9 @@ class Trainer:
                          keep_last, self.async_saver, self.save_barrier)
 
     def resume_point(self) -> Path | None:
-        """The checkpoint this run resumes from (None: it starts at step 0), after the checks that refuse
-        to start: a checkpoint of another model (or sequence length), and checkpoint folders past the
-        step this run starts from (it would have to write over them). Reads metadata only."""
-        rt = self.runtime
-        # Each rank checks the run folder as its host sees it: a check that fails on one rank (a file read it alone
-        # failed) stops every rank, and ranks that found different checkpoints (a file system that shows another
-        # host's newest folder late) are refused, instead of some resuming from one step and some from another.
-        path = fail_together(self._local_resume_point, rt.rank, rt.world_size,
-                             lambda flags: rt.all_reduce_sum(flags.to(self.device)).cpu(),
-                             f"the resume checks of train.run_dir={self.cfg.train.run_dir!r}")
-        if not ranks_agree_on(float(step_of(path)) if path is not None else -1.0, rt):
-            raise ConfigError(f"train.run_dir={self.cfg.train.run_dir!r}: the ranks found different checkpoints to "
-                              f"resume from (this rank: {path.name if path is not None else 'none, a start from step 0'}"
-                              "); a file system that shows the hosts different folders? Resume when every host sees "
-                              "the same checkpoints/")
-        if path is None:  # its log's step records go: refused when they are an earlier run's history
-            self._checked_on_rank0(
-                lambda: check_fresh_start_loses_no_history(self.run_dir, self.cfg.train.resume),
-                ConfigError(f"train.run_dir={self.cfg.train.run_dir!r}: rank 0 refused to start over its metrics.jsonl "
-                            "(its error says why)"))
-        return path
-
-    def _local_resume_point(self) -> Path | None:
-        """resume_point's checks as this rank sees the run folder."""
-        path = ckpt.latest(self.run_dir) if self.cfg.train.resume else None
-        if path is None:
-            ckpt.check_not_an_import(self.run_dir)
-            if self.cfg.train.init_from is not None:
-                if self.cfg.parallel.strategy == "fsdp":
-                    raise ConfigError("parallel.strategy='fsdp': expected 'ddp' with train.init_from (the FSDP2 "
-                                      "baseline loads no checkpoints)")
-                self.init_source = check_init_source(self.cfg)
-        else:
-            if self.cfg.parallel.strategy == "fsdp":  # its runtime cannot load one: refused before the start event
-                raise ConfigError(f"parallel.strategy='fsdp': expected 'ddp' to resume train.run_dir="
-                                  f"{self.cfg.train.run_dir} from {path.name} (the FSDP2 baseline loads no "
-                                  "checkpoints); or use another train.run_dir")
-            ckpt.check_trainer_metadata(path)
-            ckpt.check_same_model(path, self.cfg)
-            ckpt.check_not_past_the_end(path, self.cfg.train.steps)
-        if self.cfg.train.save_interval > 0:  # a run that saves nothing writes over nothing
-            ckpt.check_no_checkpoints_after(self.run_dir, step_of(path) if path else 0, self.cfg.train.resume)
+        """The checkpoint this run resumes from (None: it starts at step 0, from train.init_from's weights when
+        set), after the checks that refuse to start (resume_point.find_resume_point)."""
+        path, self.init_source = find_resume_point(self.cfg, self.runtime)
         return path
 
     def restore(self, path: Path) -> None:
