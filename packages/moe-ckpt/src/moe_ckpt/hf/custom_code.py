@@ -56,6 +56,7 @@ def to_custom_config(m: dict[str, Any], dtype: str, extra: dict[str, Any] | None
         "architectures": [CUSTOM_ARCH], "model_type": CUSTOM_MODEL_TYPE, "auto_map": dict(AUTO_MAP),
         "dtype": DTYPES[dtype], "torch_dtype": DTYPES[dtype], MODEL_KEY: model, **usual_keys(m),
         "initializer_range": m.get("init_std", 0.02), "use_cache": True,
+        "output_router_logits": False,  # True: the labels loss adds the router aux loss moe-train trains with
     }
     c.update({k: None for k in EXTRA_KEYS}, **DEFAULT_EXTRA)
     c.update(_checked_extra(extra or {}, m["vocab_size"]))
@@ -72,12 +73,16 @@ def from_custom_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
     m = copy.deepcopy(m)
     missing = sorted(MAPPED_FIELDS - OPTIONAL_FIELDS - set(m))
     router = m.get("router")
-    if isinstance(router, dict) and isinstance(m.get("num_experts"), int) and m["num_experts"] > 0:
+    routed = isinstance(router, dict) and isinstance(m.get("num_experts"), int) and m["num_experts"] > 0
+    if routed:
         missing += [f"router.{k}" for k in sorted(ROUTER_FIELDS - OPTIONAL_ROUTER_FIELDS - set(router))]
     if missing:
         raise HFConversionError(f"config.json {MODEL_KEY} has no {', '.join(missing)}: expected moe-train's whole "
                                 "model config, as the export writes it (a default could describe another model than "
                                 "the one the tensors hold)")
+    if routed and router["routing"] != "learned":
+        raise HFConversionError(f"config.json {MODEL_KEY}.router.routing={router['routing']!r}: expected 'learned', "
+                                "the routing the folder's modeling file computes (the export writes every router so)")
     try:
         _check_known_fields(m)
         _check_custom_code_model(m)

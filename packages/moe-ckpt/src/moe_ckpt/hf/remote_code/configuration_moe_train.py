@@ -29,10 +29,13 @@ class MoeTrainConfig(PretrainedConfig):
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
 
     def __init__(self, moe_train_model: dict | None = None, max_position_embeddings: int = 4096,
-                 use_cache: bool = True, **kwargs):
+                 use_cache: bool = True, output_router_logits: bool = False, **kwargs):
+        """output_router_logits: forward also gives each MoE layer's router logits and adds moe-train's router aux
+        loss to the labels loss (Mixtral's config key)."""
         self.moe_train_model = dict(moe_train_model or {})
         self.max_position_embeddings = max_position_embeddings
         self.use_cache = use_cache
+        self.output_router_logits = output_router_logits
         if self.moe_train_model:
             for key, value in usual_keys(self.moe_train_model).items():
                 kwargs.setdefault(key, value)

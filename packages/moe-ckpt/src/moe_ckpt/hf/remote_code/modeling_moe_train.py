@@ -11,6 +11,7 @@ is), so the folder's tensor names are moe-train's state dict names.
     mlp: dense SwiGLU (dense model, or model.dense_layers), else MoE: fp32 router logits, softmax or sigmoid,
          selection by probs + expert_bias (selection only), top-k weights (renormalised: normalize_top_k) x
          routed_scaling_factor, SwiGLU experts summed in fp32, + shared expert (x sigmoid gate: shared_expert_gate)
+    output_router_logits: also each MoE layer's router logits, and moe-train's router aux loss, added to `loss`
 """
 
 from __future__ import annotations
@@ -24,15 +25,18 @@ from torch import nn
 try:
     from transformers import GenerationMixin, PreTrainedModel
     from transformers.cache_utils import DynamicCache
-    from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+    from transformers.modeling_outputs import (BaseModelOutputWithPast, CausalLMOutputWithPast,
+                                               MoeCausalLMOutputWithPast, MoeModelOutputWithPast)
 except ImportError as e:  # moe-ckpt ships this file as data (it never imports it); transformers loads it
     raise ImportError("modeling_moe_train.py is transformers custom code of a moe-train export: load the folder "
                       "with transformers (trust_remote_code=True)") from e
 
 from .configuration_moe_train import MoeTrainConfig
 
-# transformers 5.2x names the output's cache `cache`, earlier 5.x `past_key_values`
-_CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+
+def _cache_field(output_class) -> str:
+    """The name of an output's cache: `cache` in transformers 5.2x, `past_key_values` before."""
+    return "cache" if "cache" in {f.name for f in dataclasses.fields(output_class)} else "past_key_values"
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -169,6 +173,8 @@ class MoELayer(nn.Module):
         self.gating, self.top_k, self.normalize = r["gating"], r["top_k"], r["normalize_top_k"]
         self.scale = float(r.get("routed_scaling_factor", 1.0))
         self.num_experts = m["num_experts"]
+        self.lb_loss_weight = float(r.get("lb_loss_weight", 0.01))  # defaults: moe-train's RouterConfig's
+        self.z_loss_weight = float(r.get("z_loss_weight", 0.001))
         self.router = Router(m["d_model"], m["num_experts"], bool(r.get("expert_bias", False)))
         self.experts = RoutedExperts(m["num_experts"], m["d_model"], m["expert_hidden"])
         shared = m["shared_expert_hidden"]
@@ -176,15 +182,22 @@ class MoELayer(nn.Module):
         gated = shared > 0 and bool(m.get("shared_expert_gate", False))
         self.shared_expert_gate = nn.Linear(m["d_model"], 1, bias=False) if gated else None
 
-    def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """flat: [T, d] -> expert ids [T, k], weights [T, k] (fp32, or float64 for float64 rows)."""
-        wide = _wide(flat.dtype)
-        with _own_dtype(flat):
-            logits = F.linear(flat.to(wide), self.router.weight.to(wide))
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """router logits [T, E] -> probabilities [T, E], selected expert ids [T, k]."""
         probs = logits.softmax(-1) if self.gating == "softmax" else logits.sigmoid()
         bias = self.router.expert_bias
-        scores = probs + bias.to(wide) if bias is not None else probs
-        ids = scores.topk(self.top_k, dim=-1).indices
+        scores = probs + bias.to(probs.dtype) if bias is not None else probs
+        return probs, scores.topk(self.top_k, dim=-1).indices
+
+    def router_logits(self, flat: torch.Tensor) -> torch.Tensor:
+        """flat: [T, d] -> router logits [T, E] in fp32 (float64 for float64 rows), also under autocast."""
+        wide = _wide(flat.dtype)
+        with _own_dtype(flat):
+            return F.linear(flat.to(wide), self.router.weight.to(wide))
+
+    def route(self, flat: torch.Tensor, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """flat: [T, d] (logits: its router logits) -> expert ids [T, k], weights [T, k] (fp32 / float64 as logits)."""
+        probs, ids = self.select(self.router_logits(flat) if logits is None else logits)
         weights = probs.gather(1, ids)
         if self.normalize:
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
@@ -192,10 +205,25 @@ class MoELayer(nn.Module):
             weights = weights * self.scale
         return ids, weights
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def aux_loss(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [T, E] of the rows that count -> moe-train's Router aux loss, its ops: lb_loss_weight * E * sum(f *
+        mean p) + z_loss_weight * mean(logsumexp^2), f the experts' shares of the T*k selections (no rows: 0)."""
+        if logits.shape[0] == 0:
+            return logits.sum()
+        probs, ids = self.select(logits)
+        counts = torch.zeros(self.num_experts, device=logits.device, dtype=logits.dtype)
+        counts.scatter_add_(0, ids.reshape(-1), torch.ones(ids.numel(), device=logits.device, dtype=logits.dtype))
+        p = probs if self.gating == "softmax" else probs / probs.sum(-1, keepdim=True).clamp_min(1e-20)
+        lb = self.num_experts * (counts / ids.numel() * p.mean(0)).sum()
+        z = torch.logsumexp(logits, -1).pow(2).mean()
+        return self.lb_loss_weight * lb + self.z_loss_weight * z
+
+    def forward(self, x: torch.Tensor, return_logits: bool = False):
+        """x: [B, S, d] -> out [B, S, d]; with return_logits (out, router logits [B * S, E] fp32)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        ids, weights = self.route(flat)
+        logits = self.router_logits(flat)
+        ids, weights = self.route(flat, logits)
         wide = _wide(flat.dtype)
         rows = flat.new_zeros((flat.shape[0], self.top_k, flat.shape[1]), dtype=wide)  # each token's k expert outputs
         for e in range(self.num_experts):
@@ -211,7 +239,7 @@ class MoELayer(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             out = out + shared
-        return out.reshape(shape)
+        return (out.reshape(shape), logits) if return_logits else out.reshape(shape)
 
 
 class Block(nn.Module):
@@ -224,8 +252,11 @@ class Block(nn.Module):
         self.mlp = MoELayer(m) if is_moe else SwiGLU(m["d_model"], m["dense_hidden"])
 
     def forward(self, x, cos, sin, mask, cache):
+        """-> (x, the MoE layer's router logits [B * S, E]; None in a dense block)."""
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache)
-        return x + self.mlp(self.mlp_norm(x))
+        h = self.mlp_norm(x)
+        y, logits = self.mlp(h, return_logits=True) if isinstance(self.mlp, MoELayer) else (self.mlp(h), None)
+        return x + y, logits
 
 
 class MoeTrainPreTrainedModel(PreTrainedModel):
@@ -306,15 +337,17 @@ class MoeTrainModel(MoeTrainPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, use_cache=None, cache=None, output_hidden_states=None, output_attentions=None,
-                **kwargs) -> BaseModelOutputWithPast:
+                output_router_logits=None, **kwargs) -> BaseModelOutputWithPast | MoeModelOutputWithPast:
         """input_ids: [B, S] -> last hidden state [B, S, d] (after the final norm) and the cache; with
         output_hidden_states also the embeddings and each block's output (the last one after the final norm, as
-        transformers' models give them)."""
+        transformers' models give them); output_router_logits: also each MoE layer's router logits [B * S, E]."""
         if output_attentions if output_attentions is not None else getattr(self.config, "output_attentions", False):
             raise ValueError("output_attentions=True: attention runs in torch's scaled_dot_product_attention, which "
                              "gives no attention weights; expected output_attentions=False")
         if output_hidden_states is None:
             output_hidden_states = getattr(self.config, "output_hidden_states", False)
+        if output_router_logits is None:
+            output_router_logits = getattr(self.config, "output_router_logits", False)
         cache = cache if cache is not None else past_key_values
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
@@ -332,16 +365,19 @@ class MoeTrainModel(MoeTrainPreTrainedModel):
         if position_ids is not None:
             positions = position_ids.to(x.device).expand(b, s)
         cos, sin = rope_tables(positions, self.rotary_dim, self.rope_theta, _wide(x.dtype))
-        states = [x]
+        states, router_logits = [x], []
         for block in self.blocks:
             if checkpointing:
-                x = self._gradient_checkpointing_func(block.__call__, x, cos, sin, mask, None)
+                x, logits = self._gradient_checkpointing_func(block.__call__, x, cos, sin, mask, None)
             else:
-                x = block(x, cos, sin, mask, cache)
+                x, logits = block(x, cos, sin, mask, cache)
             states.append(x)
+            router_logits += [logits] if logits is not None else []
         x = states[-1] = self.norm(x)
         hidden_states = tuple(states) if output_hidden_states else None
-        return BaseModelOutputWithPast(last_hidden_state=x, hidden_states=hidden_states, **{_CACHE_FIELD: cache})
+        cls = MoeModelOutputWithPast if output_router_logits else BaseModelOutputWithPast
+        more = {"router_logits": tuple(router_logits)} if output_router_logits else {}
+        return cls(last_hidden_state=x, hidden_states=hidden_states, **more, **{_cache_field(cls): cache})
 
 
 class MoeTrainForCausalLM(MoeTrainPreTrainedModel, GenerationMixin):
@@ -373,14 +409,24 @@ class MoeTrainForCausalLM(MoeTrainPreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, cache=None,
-                return_dict=None, **kwargs) -> CausalLMOutputWithPast:
+                return_dict=None, output_router_logits=None,
+                **kwargs) -> CausalLMOutputWithPast | MoeCausalLMOutputWithPast:
         """input_ids: [B, S] -> logits [B, S, V] (the last logits_to_keep positions when > 0) and the cache;
         labels [B, S]: also the mean next-token cross-entropy (-100 ignored), or its sum over num_items_in_batch
         when given (transformers' Trainer passes the count of the targets of all micro-batches of an optimizer step
-        and then leaves the loss undivided by the gradient accumulation steps)."""
+        and then leaves the loss undivided by the gradient accumulation steps).
+
+        output_router_logits (default config.output_router_logits; MoeCausalLMOutputWithPast): also router_logits
+        (one [B * S, E] per MoE layer) and aux_loss, moe-train's router aux loss summed over MoE layers (0 if dense),
+        added to the loss: CE + aux_loss, what moe-train's trainer backpropagates for a micro-batch. Only rows of
+        attention_mask 1 enter the router statistics (all without a mask: moe-train's batches have no padding). The
+        aux is added undivided by num_items_in_batch, as Mixtral's: so under Trainer's gradient accumulation of G
+        micro-batches a step weighs it G times what moe-train's (CE + aux) / G does."""
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        if output_router_logits is None:
+            output_router_logits = getattr(self.config, "output_router_logits", False)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         inputs_embeds=inputs_embeds, use_cache=use_cache,
+                         inputs_embeds=inputs_embeds, use_cache=use_cache, output_router_logits=output_router_logits,
                          cache=cache if cache is not None else past_key_values, **kwargs)
         h = out.last_hidden_state
         logits = self.lm_head(h[:, -logits_to_keep:] if isinstance(logits_to_keep, int) and logits_to_keep > 0 else h)
@@ -393,6 +439,21 @@ class MoeTrainForCausalLM(MoeTrainPreTrainedModel, GenerationMixin):
             else:
                 loss = F.cross_entropy(shift, targets, ignore_index=-100, reduction="sum")
                 loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device)
-        result = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
-                                        **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)})
+        cls = MoeCausalLMOutputWithPast if output_router_logits else CausalLMOutputWithPast
+        fields = dict(loss=loss, logits=logits, hidden_states=out.hidden_states)
+        if output_router_logits:
+            real = None if attention_mask is None else attention_mask[:, -h.shape[1]:].reshape(-1).bool()
+            aux = self.aux_loss(out.router_logits, real, logits.device)
+            fields.update(loss=None if loss is None else loss + aux, aux_loss=aux, router_logits=out.router_logits)
+        result = cls(**fields, **{_cache_field(cls): getattr(out, _cache_field(type(out)))})
         return result if return_dict is not False else result.to_tuple()
+
+    def aux_loss(self, router_logits: tuple, real: torch.Tensor | None, device) -> torch.Tensor:
+        """The MoE layers' aux losses over the rows real [B * S] marks (all if None), summed as moe-train sums them."""
+        aux = torch.zeros((), device=device, dtype=torch.float32)
+        layers = [block.mlp for block in self.model.blocks if isinstance(block.mlp, MoELayer)]
+        rows = real.nonzero().squeeze(1) if real is not None else None  # one host sync, not one per layer
+        for layer, logits in zip(layers, router_logits):
+            kept = logits if rows is None else logits.index_select(0, rows.to(logits.device))
+            aux = aux + layer.aux_loss(kept).to(device)
+        return aux
