@@ -17,7 +17,7 @@ from typing import Any
 
 from moe_ckpt.hf.spec import (
     CUSTOM_ARCH, CUSTOM_MODEL_TYPE, DEFAULT_EXTRA, DTYPES, EXTRA_KEYS, MAPPED_FIELDS, ROUTER_FIELDS, HFConversionError,
-    _check_custom_code_model, _check_known_fields, _checked_extra, head_dim,
+    check_custom_code_model, check_known_fields, checked_extra, head_dim,
 )
 
 MODEL_KEY = "moe_train_model"
@@ -59,7 +59,7 @@ def to_custom_config(m: dict[str, Any], dtype: str, extra: dict[str, Any] | None
         "output_router_logits": False,  # True: the labels loss adds the router aux loss moe-train trains with
     }
     c.update({k: None for k in EXTRA_KEYS}, **DEFAULT_EXTRA)
-    c.update(_checked_extra(extra or {}, m["vocab_size"]))
+    c.update(checked_extra(extra or {}, m["vocab_size"]))
     return c
 
 
@@ -84,8 +84,8 @@ def from_custom_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
         raise HFConversionError(f"config.json {MODEL_KEY}.router.routing={router['routing']!r}: expected 'learned', "
                                 "the routing the folder's modeling file computes (the export writes every router so)")
     try:
-        _check_known_fields(m)
-        _check_custom_code_model(m)
+        check_known_fields(m)
+        check_custom_code_model(m)
         usual = usual_keys(m)
     except KeyError as e:
         raise HFConversionError(f"config.json {MODEL_KEY} has no {e}: expected moe-train's whole model "

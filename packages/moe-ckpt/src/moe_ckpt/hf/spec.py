@@ -81,7 +81,7 @@ ROUTER_FIELDS = frozenset({"gating", "top_k", "normalize_top_k", "routing", "exp
 ROUTER_TRAINING_FIELDS = frozenset({"lb_loss_weight", "lb_loss_scope", "z_loss_weight", "expert_bias_rate"})
 
 
-def _check_known_fields(m: dict[str, Any]) -> None:
+def check_known_fields(m: dict[str, Any]) -> None:
     router = m.get("router") or {}
     unknown = [(k, m[k]) for k in sorted(set(m) - MAPPED_FIELDS - UNCOMPUTED_FIELDS)]
     unknown += [(f"router.{k}", router[k]) for k in sorted(set(router) - ROUTER_FIELDS - ROUTER_TRAINING_FIELDS)]
@@ -96,9 +96,9 @@ def _check_known_fields(m: dict[str, Any]) -> None:
 def choose_model_type(m: dict[str, Any], allow_benchmark_routing: bool = False, custom_code: bool = False) -> str:
     """The HF model_type for our model config dict, or HFConversionError naming the feature.
     custom_code: CUSTOM_MODEL_TYPE for any valid model (moe-train's own modeling file, trust_remote_code)."""
-    _check_known_fields(m)
+    check_known_fields(m)
     if custom_code:
-        _check_custom_code_model(m)
+        check_custom_code_model(m)
         _check_routing(m, allow_benchmark_routing)
         return CUSTOM_MODEL_TYPE
     if m["num_experts"] == 0:
@@ -128,7 +128,7 @@ def _check_routing(m: dict[str, Any], allow_benchmark_routing: bool) -> None:
         )
 
 
-def _check_custom_code_model(m: dict[str, Any]) -> None:
+def check_custom_code_model(m: dict[str, Any]) -> None:
     """What the custom-code modeling file needs of a model moe-train itself would build (moe-train validates the
     rest): named gating, whole GQA groups, whole even rotary dims, a top-k within the experts."""
     hd = head_dim(m)
@@ -219,7 +219,7 @@ def _is_token_id(value: Any, vocab_size: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
 
 
-def _checked_extra(extra: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+def checked_extra(extra: dict[str, Any], vocab_size: int) -> dict[str, Any]:
     """`extra` (EXTRA_KEYS for config.json), each key and value checked: a key config.json would not get (a typo)
     and a token id transformers cannot embed (past the vocabulary, negative, not an integer) are refused by name.
     eos_token_id may be a list of ids (transformers stops at any of them); None is an unknown id."""
@@ -262,7 +262,7 @@ def to_hf_config(m: dict[str, Any], model_type: str, dtype: str, extra: dict[str
     # Token ids are written even when unknown (null): a missing key is the class default, which for Llama
     # is bos 1 / eos 2 (ordinary tokens of our vocabularies, where generation would stop).
     c.update({k: None for k in EXTRA_KEYS}, **DEFAULT_EXTRA)
-    c.update(_checked_extra(extra or {}, m["vocab_size"]))
+    c.update(checked_extra(extra or {}, m["vocab_size"]))
     if model_type == "llama":
         c.update(attention_bias=attention_bias(m), mlp_bias=False)
     elif model_type == "qwen3":
