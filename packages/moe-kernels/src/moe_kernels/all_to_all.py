@@ -54,13 +54,20 @@ from moe_kernels.collective_checks import (
 )
 from moe_kernels.dispatch import (
     DispatchResult,
-    IdentityCodec,
     PayloadCodec,
     check_decoded_rows,
     check_payload_rows,
+    checked_codec,
     require_graph_kept,
 )
-from moe_kernels.permute import check_rows, check_route_map_device, check_router_weights, combine, permute
+from moe_kernels.permute import (
+    check_expert_out_dtype,
+    check_route_map_device,
+    check_router_weights,
+    check_rows,
+    combine,
+    permute,
+)
 from moe_kernels.route_map import RouteMap, positive_int
 from moe_kernels.compile_marks import constant_under_compile
 
@@ -139,7 +146,7 @@ class AllToAllDispatcher:
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.ep_size
         self.capacity_factor = capacity_factor
-        self.codec = codec or IdentityCodec()
+        self.codec = checked_codec(codec)
         self._dispatches = 0  # counted on entry, so every EP rank counts alike, refused calls included
         self._experts_agreed = False  # checked at the first dispatch, one small collective
 
@@ -389,8 +396,7 @@ def _check_combine_inputs(expert_out: torch.Tensor, ctx: AllToAllContext, weight
     check_rows("expert_out", expert_out, "N_kept")
     if expert_out.shape[0] != ctx.num_kept:
         raise ValueError(f"expert_out has {expert_out.shape[0]} rows, dispatch handed out N_kept={ctx.num_kept}")
-    if not expert_out.dtype.is_floating_point:
-        raise ValueError(f"expert_out must be floating point, got dtype={expert_out.dtype}")
+    check_expert_out_dtype(expert_out)
     check_route_map_device(route_map, expert_out, "expert_out")
     if not isinstance(weights, torch.Tensor):
         raise TypeError(

@@ -39,6 +39,18 @@ class IdentityCodec:
         return payload
 
 
+def checked_codec(codec: Any) -> PayloadCodec:
+    """The dispatcher's codec (IdentityCodec for None), refused at construction unless it has encode and
+    decode methods: a string such as "bf16" failed only at the first dispatch, inside str.encode."""
+    if codec is None:
+        return IdentityCodec()
+    if not all(callable(getattr(codec, name, None)) for name in ("encode", "decode")):
+        raise TypeError(
+            f"codec must be a PayloadCodec (an object with encode(rows) and decode(payload) methods), got {codec!r:.80}"
+        )
+    return codec
+
+
 @dataclass
 class DispatchResult:
     """Rows for this rank's local experts, in local-expert order.
@@ -102,7 +114,7 @@ class LocalDispatcher:
 
     def __init__(self, num_experts: int, codec: PayloadCodec | None = None):
         self.num_local_experts = positive_int("num_experts", num_experts)
-        self.codec = codec or IdentityCodec()
+        self.codec = checked_codec(codec)
 
     def dispatch(self, x: torch.Tensor, route_map: RouteMap) -> DispatchResult:
         require_route_map(route_map)

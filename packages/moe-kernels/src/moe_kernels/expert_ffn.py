@@ -22,18 +22,15 @@ from moe_kernels.grouped_gemm import (
     require_torch_grouped_mm,
     torch_grouped_mm_supported,
 )
-from moe_kernels.permute import check_router_weights, check_rows, check_token_rows, combine, permute
+from moe_kernels.permute import EXPERT_DTYPES, check_router_weights, check_rows, check_token_rows, combine, permute
 from moe_kernels.plan_search import search_plan
-from moe_kernels.route_map import RouteMap
+from moe_kernels.route_map import RouteMap, require_tensor
 from moe_kernels.triton import use_triton
 
 
-# SwiGLU and the GEMMs around it compute in these on every backend (torch has no silu for integer
-# or fp8 tensors, and the combine refuses complex rows only after both GEMMs ran)
-EXPERT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
 def _check_weights(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    require_tensor("w_gate_up", w_gate_up, "[E, d, 2h]")
+    require_tensor("w_down", w_down, "[E, h, d]")
     if x.dtype not in EXPERT_DTYPES:
         raise ValueError(
             f"the expert rows are {x.dtype}: the SwiGLU experts compute in "

@@ -53,6 +53,8 @@ def checked_offsets(offsets: torch.Tensor, num_rows: int, device: torch.device, 
 
 def _check_operands(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x: [N, K], w: [E, K, M] of one dtype and device; returns the checked offsets."""
+    require_tensor("x", x, "[N, K]")
+    require_tensor("w", w, "[E, K, M]")
     if x.dim() != 2 or w.dim() != 3:
         raise ValueError(f"expected x [N, K] and w [E, K, M], got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.shape[1] != w.shape[1]:

@@ -19,6 +19,20 @@ def check_rows(name: str, t: torch.Tensor, rows: str) -> None:
         raise ValueError(f"{name} must be 2-D [{rows}, d], got shape {tuple(t.shape)}")
 
 
+# Expert rows compute and combine in these on every backend: torch has no silu for integer or fp8
+# tensors, combine's sum of integer rows would come back truncated, and torch promotes no fp8 dtype
+# (combine's fp32 sum raised "Promotion for Float8 Types is not supported")
+EXPERT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_expert_out_dtype(expert_out: torch.Tensor) -> None:
+    if expert_out.dtype not in EXPERT_DTYPES:
+        raise ValueError(
+            f"expert_out must be floating point of {', '.join(str(d) for d in EXPERT_DTYPES)} (the weighted sum "
+            f"comes back in expert_out's dtype; decode integer or fp8 rows first), got dtype={expert_out.dtype}"
+        )
+
+
 def check_route_map_device(route_map: RouteMap, t: torch.Tensor, name: str) -> None:
     """The route map's index tensors live where the rows do (the kernels read them as device pointers)."""
     if route_map.dest_row.device != t.device:
@@ -80,9 +94,7 @@ def combine(
     """
     require_route_map(route_map)
     check_rows("expert_out", expert_out, "T*k")
-    if not expert_out.dtype.is_floating_point:
-        raise ValueError(f"expert_out must be floating point (a weighted sum of {expert_out.dtype} rows would be "
-                         f"truncated back to {expert_out.dtype}), got dtype={expert_out.dtype}")
+    check_expert_out_dtype(expert_out)
     if expert_out.shape[0] != route_map.num_rows:
         raise ValueError(f"expert_out has {expert_out.shape[0]} rows, expected T*k={route_map.num_rows}")
     check_router_weights(weights, expert_out, route_map)

@@ -16,17 +16,19 @@ from moe_kernels.compile_marks import constant_under_compile
 
 @constant_under_compile  # not traced: the import inside
 def triton_available() -> bool:
-    return _triton_imports()
+    return _triton_imports() is None
 
 
 @functools.cache
-def _triton_imports() -> bool:
+def _triton_imports() -> str | None:
+    """None when triton imports, else why not (its CPU interpreter imports numpy, which triton does not
+    depend on: with TRITON_INTERPRET=1 and no numpy, an installed triton fails to import)."""
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401
-    except Exception:  # ImportError, or a broken install on a CPU-only box
-        return False
-    return True
+    except Exception as e:  # ImportError, or a broken install on a CPU-only box
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def triton_runs_on(t: torch.Tensor) -> bool:
@@ -54,7 +56,10 @@ def require_triton_on(t: torch.Tensor) -> None:
     """Raise a clear error when backend="triton" is asked for where its kernels cannot run:
     triton not installed, or a tensor off CUDA without Triton's CPU interpreter."""
     if not triton_available():
-        raise ValueError("backend='triton' needs triton installed (pip install triton); use backend='auto' or 'reference'")
+        raise ValueError(
+            f"backend='triton' needs triton installed and importable, and it did not import ({_triton_imports()}): "
+            "pip install triton, and numpy for Triton's CPU interpreter; use backend='auto' or 'reference'"
+        )
     if triton_can_run_on(t):
         return
     raise ValueError(
