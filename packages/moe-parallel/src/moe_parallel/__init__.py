@@ -8,7 +8,7 @@ from moe_parallel.groups import ParallelGroups, build_groups
 from moe_parallel.layout import ParallelLayout, RankCoords
 from moe_parallel.optimizer import AdamWConfig, DistributedAdamW, OptimizerStepResult
 
-__version__ = "0.9.2"
+__version__ = "0.9.3"
 
 __all__ = [
     "ParallelLayout",

@@ -32,6 +32,7 @@ class ParamSlot:
     numel: int
     bucket: int
     index: int  # position in FlatParams.slots
+    shape: tuple[int, ...] = ()  # the parameter's shape when FlatParams was built
     has_grad: bool = False  # a gradient reached this parameter on this rank since the last zero_grads()
     arrived: bool = False  # GradientSync: its gradient arrived in the last backward of the step
 
@@ -92,7 +93,7 @@ class FlatParams:
         shards = self.group_size if self.shard else 1
         require_same_on_every_rank(
             group, [f"FlatParams(shard={shard}, grad_dtype={self.grad_dtype}, bucket_numel={bucket_numel})"]
-            + [f"{n!r} {tuple(p.shape)} {p.dtype}" for n, p in named_params],
+            + [f"{n!r} {tuple(p.shape)} {p.dtype}{_expert_rows(p)}" for n, p in named_params],
             "FlatParams: the parameters", device,
         )
         self.reduced = False  # GradientSync.finish() reduced the gradients; cleared by zero_grads() and the optimizer step
@@ -104,7 +105,7 @@ class FlatParams:
         for name, p in reversed(named_params):
             if cursor > bucket_start and cursor + p.numel() - bucket_start > bucket_numel:
                 bucket_start = cursor = self._close_bucket(bucket_start, cursor, shards)
-            self.slots.append(ParamSlot(name, p, cursor, p.numel(), len(self.buckets), len(self.slots)))
+            self.slots.append(ParamSlot(name, p, cursor, p.numel(), len(self.buckets), len(self.slots), tuple(p.shape)))
             cursor = _round_up(cursor + p.numel(), ALIGN)
         total = self._close_bucket(bucket_start, cursor, shards)
 
@@ -179,10 +180,10 @@ class FlatParams:
         return self.shard or self.group_rank == 0
 
     def param_view(self, slot: ParamSlot) -> torch.Tensor:
-        return self.param_buffer[slot.start : slot.start + slot.numel].view(slot.param.shape)
+        return self.param_buffer[slot.start : slot.start + slot.numel].view(slot.shape)
 
     def grad_view(self, slot: ParamSlot) -> torch.Tensor:
-        return self.grad_buffer[slot.start : slot.start + slot.numel].view(slot.param.shape)
+        return self.grad_buffer[slot.start : slot.start + slot.numel].view(slot.shape)
 
     def bind_grads(self) -> None:
         """Point each .grad at its buffer view, so autograd accumulates in place (same-dtype case)."""
@@ -190,7 +191,24 @@ class FlatParams:
             for slot in self.slots:
                 slot.param.grad = self.grad_view(slot)
 
+    def require_in_buffer(self) -> None:
+        """Raise naming the first parameter whose data is no longer its view of the flat buffer (rebound, reshaped or
+        cast after FlatParams was built): its gradient could not reach the buffer (autograd fails to add one of another
+        shape to the bound .grad, naming no parameter), nor the optimizer's update its weights."""
+        base, size = self.param_buffer.data_ptr(), self.param_buffer.element_size()
+        for slot in self.slots:
+            p = slot.param
+            if (p.shape != slot.shape or p.dtype != self.param_dtype
+                    or (slot.numel and p.data_ptr() != base + slot.start * size)):
+                raise RuntimeError(
+                    f"{slot.name!r} no longer lives in the FlatParams buffer that the optimizer updates: it is now "
+                    f"{tuple(p.shape)} {p.dtype} on {p.device}, built as {slot.shape} {self.param_dtype} in that buffer "
+                    "(model.to(), .half(), or param.data = ... after FlatParams was built); expected the model cast, "
+                    "moved and shaped first, then FlatParams"
+                )
+
     def zero_grads(self) -> None:
+        self.require_in_buffer()  # binding .grad views of the built shapes would fail with a bare view error
         self.grad_buffer.zero_()
         self.reduced = False
         self.stepped = False
@@ -226,6 +244,16 @@ def _check_named_params(named_params: list) -> None:
     _refuse_repeats(named_params)
 
 
+def _expert_rows(p: nn.Parameter) -> str:
+    """Which experts an expert-parallel slice holds (apply_expert_parallel marks it): ranks of one FlatParams must hold
+    the same ones, else the broadcast overwrites other experts' weights and unrelated experts' gradients are summed."""
+    shard = getattr(p, "expert_shard", None)
+    if shard is None:
+        return ""
+    return (f" experts [{shard.row_offset}, {shard.row_offset + p.shape[0]}) of {shard.global_shape[0]} (an "
+            "expert-parallel slice: its FlatParams goes over groups.edp, the ranks that hold the same experts)")
+
+
 def _refuse_repeats(named_params: list[tuple[str, nn.Parameter]]) -> None:
     """One parameter twice (its gradient would count twice) or one name twice (step counts and checkpoints key on it)."""
     names: dict[str, int] = {}
@@ -257,6 +285,10 @@ def refuse_shared_parameters(flats: list[FlatParams], owner: str) -> None:
             seen[id(slot.param)], names[slot.name] = (i, slot.name), i
 
 
+_SAME_MODEL = ("every rank of the group to build the same model (same parameter names, shapes and dtype, in the "
+               "same order)")
+
+
 def collective_device(group: dist.ProcessGroup) -> torch.device:
     """Where a small check's tensors go when a rank has no parameter to take the device from: the GPU for NCCL."""
     if dist.get_backend(group) == "nccl":
@@ -265,7 +297,7 @@ def collective_device(group: dist.ProcessGroup) -> torch.device:
 
 
 def require_same_on_every_rank(group: dist.ProcessGroup, entries: list[str], what: str, device: torch.device,
-                               refusal: Exception | None = None) -> None:
+                               refusal: Exception | None = None, expected: str = _SAME_MODEL) -> None:
     """Raise on every rank of `group` unless every rank passed the same entries and none brought a refusal.
 
     One all-gather of a 16-byte digest and two counts; only when they differ, or a rank refuses, the
@@ -275,6 +307,7 @@ def require_same_on_every_rank(group: dist.ProcessGroup, entries: list[str], wha
     refusal: this rank's own error from a check it made alone (a frozen parameter, mixed dtypes): raised
     here after the exchange, while the other ranks raise a ValueError naming this rank and its message,
     instead of waiting in the collective for a rank that never reaches it.
+    expected: what the message asks for when the entries differ.
     """
     size = dist.get_world_size(group)
     if size == 1:
@@ -322,8 +355,7 @@ def require_same_on_every_rank(group: dist.ProcessGroup, entries: list[str], wha
             raise ValueError(
                 f"{what} differ across ranks: rank {ranks[0]} has {a[i] if i < len(a) else '(nothing more)'} where "
                 f"rank {ranks[r]} has {b[i] if i < len(b) else '(nothing more)'} ({len(a)} vs {len(b)} entries); "
-                "expected every rank of the group to build the same model "
-                "(same parameter names, shapes and dtype, in the same order)"
+                f"expected {expected}"
             )
 
 

@@ -119,6 +119,8 @@ class GradientSync:
                 "finish() and not yet used; expected the optimizer step (or zero_grads()) before the next "
                 "micro-batch's backward"
             )
+        for flat in self.flats:  # before autograd meets a parameter reshaped or rebound since FlatParams was built
+            flat.require_in_buffer()
         self.final = final
         if final:
             self._arm()

@@ -94,8 +94,10 @@ def apply_expert_parallel(
             if ep > 1:
                 owner_path, _, leaf = pname.rpartition(".")
                 owner = layer.experts.get_submodule(owner_path) if owner_path else layer.experts
-                local = p[ep_rank * e_local : (ep_rank + 1) * e_local].clone()
-                setattr(owner, leaf, nn.Parameter(local, requires_grad=p.requires_grad))
+                local = nn.Parameter(p[ep_rank * e_local : (ep_rank + 1) * e_local].clone(),
+                                     requires_grad=p.requires_grad)
+                local.expert_shard = shards[full_name]  # FlatParams refuses to replicate it over ranks holding other experts
+                setattr(owner, leaf, local)
         if dispatcher is not None:
             layer.dispatcher = dispatcher
     return shards

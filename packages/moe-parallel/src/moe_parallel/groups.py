@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from moe_parallel.buffers import collective_device, require_same_on_every_rank
 from moe_parallel.layout import ParallelLayout, RankCoords
 
 
@@ -43,7 +44,16 @@ def build_groups(layout: ParallelLayout, num_experts: int, timeout: timedelta | 
     and keeps the ones that contain it.
     """
     world_size = dist.get_world_size()
-    layout.validate(world_size, num_experts)
+    # Every rank must create the same groups in the same order: a rank given another layout (or expert count) would
+    # make other new_group calls, and the ranks wait in them until the store times out (torch's default: 30 minutes).
+    what, device = "build_groups: the layout and num_experts", collective_device(dist.group.WORLD)
+    try:
+        layout.validate(world_size, num_experts)
+    except ValueError as refusal:  # on this rank only when the ranks were given different values
+        require_same_on_every_rank(dist.group.WORLD, [], what, device, refusal)
+        raise
+    require_same_on_every_rank(dist.group.WORLD, [repr(layout), f"num_experts={num_experts!r}"], what, device,
+                               expected="every rank to pass the same layout and num_experts")
     coords = layout.coords(dist.get_rank())
     mine: dict[str, dist.ProcessGroup] = {}
     for kind, rank_lists in (
