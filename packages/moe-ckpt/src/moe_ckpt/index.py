@@ -129,6 +129,11 @@ def _entry(name: str, t: object, files: dict[str, dict]) -> TensorEntry:
               f"tensor {name!r}: piece {p!r} does not name a key and a file listed in 'files'")
         region = region_from_json(p)
         check_region(tuple(shape), region, f"tensor {name!r}: piece {p['key']!r}")
+        # A save keys each piece by its tensor and region: a region edited alone (one changed digit) would pass the
+        # shard header check (same key, same length) and read the piece into the wrong place of the tensor.
+        _need(p["key"] == f"{name}{describe(region)}",
+              f"tensor {name!r}: piece {p['key']!r} has region {describe(region)}; a save keys it "
+              f"{name + describe(region)!r}")
         pieces.append(Piece(p["file"], p["key"], region))
     return TensorEntry(tuple(shape), dtype, pieces)
 
@@ -214,5 +219,24 @@ def _check_tiling(name: str, entry: TensorEntry, ranks: list[int]) -> None:
         active.append(cur)
     covered, total = sum(p.region.numel for p in entry.pieces), math.prod(entry.shape)
     if covered != total:
+        gap = _first_uncovered(entry.shape, [b for b, _, _ in boxes if b.numel])
         raise LayoutError(f"tensor {name!r} of shape {entry.shape}: saved pieces cover {covered} of "
-                          f"{total} elements; every element needs exactly one writer")
+                          f"{total} elements (none holds element {list(gap)}, the first left out); every element "
+                          "needs exactly one writer")
+
+
+def _first_uncovered(shape: tuple[int, ...], boxes: list[Box]) -> tuple[int, ...]:
+    """The first element, in row-major order, of a tensor of `shape` that none of the disjoint `boxes` holds (they
+    hold fewer elements than it has). Its index in each dim is 0 or where a box ends (the element before it in that
+    dim is held, by a box that ends there), so only those are tried, dim by dim: the first whose cross-section the
+    boxes through it do not fill. Only on a refused save: quadratic in the pieces of the one tensor."""
+    point: list[int] = []
+    for d, size in enumerate(shape):
+        rest = math.prod(shape[d + 1 :])
+        for c in sorted({0} | {b.offsets[d] + b.lengths[d] for b in boxes} - {size}):
+            through = [b for b in boxes if b.offsets[d] <= c < b.offsets[d] + b.lengths[d]]
+            if sum(math.prod(b.lengths[d + 1 :]) for b in through) < rest:
+                boxes = through
+                point.append(c)
+                break
+    return tuple(point)

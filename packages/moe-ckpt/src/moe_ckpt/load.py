@@ -184,7 +184,7 @@ def _validate(path: Path, index: Index, requests: Sequence[LoadRequest]) -> None
         if r.global_shape is not None and tuple(r.global_shape) != entry.shape:
             raise ShapeMismatchError(f"tensor {r.name!r}: requested global shape {tuple(r.global_shape)}, "
                                      f"checkpoint has {entry.shape} ({path})")
-        if r.dtype is not None and dtype_name(r.dtype) != entry.dtype:
+        if r.dtype is not None and dtype_name(r.dtype, f"request for tensor {r.name!r}: ") != entry.dtype:
             raise DtypeMismatchError(f"tensor {r.name!r}: requested dtype {dtype_name(r.dtype)}, "
                                      f"checkpoint has {entry.dtype} ({path})")
         if r.region is not None:

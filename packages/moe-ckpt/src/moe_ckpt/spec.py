@@ -28,9 +28,10 @@ _BY_DTYPE = {dt: name for name, (dt, _) in _DTYPES.items()}
 DTYPE_NAMES = frozenset(_DTYPES)
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype, what: str = "") -> str:
+    """index.json's name of `dtype`; TypeError naming `what` (e.g. "tensor 'w': ") when it has none."""
     if dtype not in _BY_DTYPE:
-        raise TypeError(f"dtype {dtype} is not supported; expected one of {sorted(_DTYPES)}")
+        raise TypeError(f"{what}dtype {dtype} is not supported; expected one of {sorted(_DTYPES)}")
     return _BY_DTYPE[dtype]
 
 
@@ -76,13 +77,16 @@ class ShardSpec:
         check_name(self.name)
         if not isinstance(self.tensor, torch.Tensor):
             raise TypeError(f"tensor {self.name!r}: data is a {type(self.tensor).__name__}, expected a torch.Tensor")
+        if not isinstance(self.global_shape, (tuple, list)):  # `(10)` is the int 10; torch.Size is a tuple
+            raise TypeError(f"tensor {self.name!r}: global shape {self.global_shape!r} is a "
+                            f"{type(self.global_shape).__name__}, expected a tuple of integers such as (10,)")
         self.global_shape = tuple(as_index(s, f"tensor {self.name!r}: global shape dim") for s in self.global_shape)
         if any(s < 0 for s in self.global_shape):  # index.json refuses it: the checkpoint could not be read
             raise ValueError(f"tensor {self.name!r}: global shape {self.global_shape} has a negative dim")
         if self.region is None:
             self.region = Box.whole(self.global_shape)
         check_region(self.global_shape, self.region, f"tensor {self.name!r}")
-        dtype_name(self.tensor.dtype)
+        dtype_name(self.tensor.dtype, f"tensor {self.name!r}: ")
         if isinstance(self.region, FlatRange):
             if self.tensor.numel() != self.region.length:
                 raise ValueError(f"tensor {self.name!r}: local data has {self.tensor.numel()} elements, "

@@ -7,8 +7,9 @@ from moe_parallel.fsdp import apply_fsdp
 from moe_parallel.groups import ParallelGroups, build_groups
 from moe_parallel.layout import ParallelLayout, RankCoords
 from moe_parallel.optimizer import AdamWConfig, DistributedAdamW, OptimizerStepResult
+from moe_parallel.optimizer_state import OptimizerStatePiece
 
-__version__ = "0.9.3"
+__version__ = "0.10.0"
 
 __all__ = [
     "ParallelLayout",
@@ -20,6 +21,7 @@ __all__ = [
     "AdamWConfig",
     "DistributedAdamW",
     "OptimizerStepResult",
+    "OptimizerStatePiece",
     "apply_expert_parallel",
     "expert_parameter_names",
     "moe_layers",

@@ -18,7 +18,8 @@ parameter, so every rank agrees; a parameter used on at least one rank is update
 over ranks, zeros from the others (torch DDP with find_unused_parameters). An expert parameter
 counts as used when any rank's slice of it got a gradient, as the whole tensor would on one
 process. Step counts are per parameter, as torch's bias correction is; param_step_counts() /
-load_param_step_counts() carry them through a checkpoint by parameter name.
+load_param_step_counts() carry them through a checkpoint by parameter name, and state_pieces() the masters
+and moments, in global coordinates (optimizer_state.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from moe_parallel.buffers import (
     refuse_shared_parameters,
     require_same_on_every_rank,
 )
+from moe_parallel.optimizer_state import OptimizerStatePiece, state_pieces
 
 
 @dataclass
@@ -168,6 +170,18 @@ class DistributedAdamW:
             if a < b:  # as param_groups(): decay matrices, never vectors; padding is never updated
                 (decay if slot.param.dim() >= 2 else no_decay).append((a - lo, b - lo, slot.index))
         return _ShardState(master, torch.zeros_like(master), torch.zeros_like(master), decay, no_decay)
+
+    def state_pieces(self) -> list[OptimizerStatePiece]:
+        """This rank's masters and moments in global coordinates, as views into the optimizer's state.
+
+        Save (every rank): for each piece with owner=True, elements [offset, offset + numel) of the flattened
+        global tensor (name, key) of global_shape are piece.tensor; with param_step_counts() and step_count
+        (the same on every rank) that is the whole state. Load, on any layout (other dp, ep or bucket sizes),
+        every rank: piece.tensor.copy_(saved[name, key].reshape(-1)[offset : offset + numel]) for every piece
+        (owner or not), then step_count = n (it sets every parameter's count), load_param_step_counts(counts),
+        and refresh_weights() (collective) to derive the model weights from the loaded masters.
+        """
+        return state_pieces(self.flats, self.states)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank: fp32 master + both moments (12 B per owned element; 24 for fp64)."""

@@ -77,6 +77,11 @@ class DistributedRuntime:
         self.expert_shards = apply_expert_parallel(model, self.groups, p.expert_capacity_factor)
         if meta:
             materialize(model, self.device, t.seed, {n: s.row_offset for n, s in self.expert_shards.items()})
+            # to_empty made new parameters, without apply_expert_parallel's mark: FlatParams (which refuses other
+            # experts in one group) and the optimizer's state_pieces() (global offsets) read it
+            for name, q in model.named_parameters():
+                if name in self.expert_shards and self.groups.layout.ep > 1:
+                    q.expert_shard = self.expert_shards[name]
         self._cast(model)
         self.model = model
         expert_names = expert_parameter_names(model)
@@ -190,20 +195,9 @@ class DistributedRuntime:
             else:
                 dims = ((shard.row_offset, q.shape[0]), *((0, n) for n in q.shape[1:]))
                 out.append(CheckpointShard(name, shard.global_shape, dims, q.data, first_expert))
-        for flat, states in zip(self.optimizer.flats, self.optimizer.states):
-            for bucket, st in zip(flat.buckets, states):
-                lo, hi = bucket.shard_start, bucket.shard_start + bucket.shard_numel
-                for slot in bucket.slots:
-                    a, b = max(lo, slot.start), min(hi, slot.start + slot.numel)
-                    if a >= b:
-                        continue
-                    shard = self.expert_shards.get(slot.name)
-                    gshape = shard.global_shape if shard else tuple(slot.param.shape)
-                    base = shard.row_offset * (slot.numel // slot.param.shape[0]) if shard else 0
-                    rng = FlatRange(base + a - slot.start, b - a)
-                    for key, tensor in (("master", st.master), ("exp_avg", st.exp_avg), ("exp_avg_sq", st.exp_avg_sq)):
-                        out.append(CheckpointShard(f"optim.{slot.name}.{key}", gshape, rng, tensor[a - lo : b - lo],
-                                                   flat.owns_unique_shard))
+        for piece in self.optimizer.state_pieces():  # views into the optimizer's state: loading copies into them
+            out.append(CheckpointShard(f"optim.{piece.name}.{piece.key}", piece.global_shape,
+                                       FlatRange(piece.offset, piece.numel), piece.tensor, piece.owner))
         for name, n in self.optimizer.param_step_counts().items():
             out.append(CheckpointShard(f"optim.{name}.step", (), (), torch.tensor(float(n)), self.rank == 0))
         step = torch.tensor(float(self.optimizer.step_count))
