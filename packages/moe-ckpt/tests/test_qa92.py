@@ -194,3 +194,27 @@ def test_a_request_with_an_unsupported_dtype_names_the_tensor(tmp_path):
     ck = save_checkpoint(step_dir(tmp_path, 1), [ShardSpec("w", (2,), torch.zeros(2))])
     with pytest.raises(TypeError, match=r"request for tensor 'w': dtype torch.complex64 is not supported"):
         load_checkpoint(ck, [LoadRequest("w", dtype=torch.complex64)])
+    with pytest.raises(TypeError, match=r"request for tensor 'w': global shape 2 is a int, expected a tuple"):
+        load_checkpoint(ck, [LoadRequest("w", global_shape=2)])  # `(2)` is the int 2: it raised a bare TypeError
+
+
+def test_a_shard_spec_changed_after_construction_is_refused_at_save_not_committed(tmp_path):
+    """Follow-up of QA 92: ShardSpec checked its fields only when built; .tensor swapped for one of another shape
+    afterwards was committed, and every load of the checkpoint then failed (CorruptShardError)."""
+    spec = ShardSpec("w", (4, 6), torch.zeros(2, 6), Box((0, 0), (2, 6)), writer=True)
+    rest = ShardSpec("w", (4, 6), torch.ones(2, 6), Box((2, 0), (2, 6)))
+    spec.tensor = torch.zeros(4, 6)
+    with pytest.raises(ValueError, match=r"tensor 'w': local data has shape \(4, 6\), its box"):
+        save_checkpoint(step_dir(tmp_path, 1), [spec, rest])
+    assert list(tmp_path.iterdir()) == []  # nothing committed, no tmp folder left
+
+
+def test_one_ranks_own_overlapping_pieces_are_named_as_such(tmp_path):
+    """Follow-up of QA 92: a rank whose box and flat range overlap was told 'a replicated tensor needs exactly one
+    writer=True', which is no remedy for one rank's sharding mistake."""
+    t = torch.randn(4, 6)
+    specs = [ShardSpec("w", (4, 6), t[0:2], Box((0, 0), (2, 6))),
+             ShardSpec("w", (4, 6), t.reshape(-1)[6:24], FlatRange(6, 18))]
+    with pytest.raises(LayoutError, match=r"rank 0 piece .* and rank 0 piece .* overlap; expected one rank's pieces"):
+        save_checkpoint(step_dir(tmp_path, 1), specs)
+    assert list(tmp_path.iterdir()) == []  # refused at the commit: nothing committed, no tmp folder left

@@ -214,8 +214,9 @@ def _check_tiling(name: str, entry: TensorEntry, ranks: list[int]) -> None:
             if cur[0].numel and other[0].numel and intersect(cur[0], other[0]) is not None:
                 raise LayoutError(
                     f"tensor {name!r}: rank {other[1]} piece {describe(other[2].region)} and rank {cur[1]} "
-                    f"piece {describe(cur[2].region)} overlap; a replicated tensor needs exactly one "
-                    f"writer=True")
+                    f"piece {describe(cur[2].region)} overlap; "
+                    + ("expected one rank's pieces of a tensor to be disjoint" if cur[1] == other[1] else
+                       "a replicated tensor needs exactly one writer=True"))
         active.append(cur)
     covered, total = sum(p.region.numel for p in entry.pieces), math.prod(entry.shape)
     if covered != total:

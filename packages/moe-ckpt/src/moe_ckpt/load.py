@@ -181,6 +181,9 @@ def _validate(path: Path, index: Index, requests: Sequence[LoadRequest]) -> None
                                   f"tensors, e.g. {known[:8]}")
     for r in requests:
         entry = index.tensors[r.name]
+        if r.global_shape is not None and not isinstance(r.global_shape, (tuple, list)):  # `(10)` is the int 10
+            raise TypeError(f"request for tensor {r.name!r}: global shape {r.global_shape!r} is a "
+                            f"{type(r.global_shape).__name__}, expected a tuple of integers such as (10,)")
         if r.global_shape is not None and tuple(r.global_shape) != entry.shape:
             raise ShapeMismatchError(f"tensor {r.name!r}: requested global shape {tuple(r.global_shape)}, "
                                      f"checkpoint has {entry.shape} ({path})")

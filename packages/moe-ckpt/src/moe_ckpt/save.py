@@ -148,6 +148,7 @@ def _write_rank(tmp: Path, shards: Sequence[ShardSpec], rank: int, world_size: i
         raise CheckpointError(f"rank {rank}: not writing {tmp.name}: {failed}")
     entries, pieces, declared, seen = [], [], [], {}
     for s in shards:
+        s.validate()  # a field changed since construction (e.g. .tensor of another shape) is refused, not committed
         if not s.writer:  # another rank writes it; named so that the commit can check one does
             declared.append({"name": s.name, "shape": list(s.global_shape), "dtype": dtype_name(s.dtype)})
             continue

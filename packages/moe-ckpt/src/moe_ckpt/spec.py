@@ -74,6 +74,11 @@ class ShardSpec:
     writer: bool = True
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise naming the tensor unless the fields describe a piece a save can write (run on construction, and
+        again by the save: a field changed in between would otherwise commit a checkpoint no load can read)."""
         check_name(self.name)
         if not isinstance(self.tensor, torch.Tensor):
             raise TypeError(f"tensor {self.name!r}: data is a {type(self.tensor).__name__}, expected a torch.Tensor")
