@@ -294,6 +294,18 @@ def misuse_uneven_experts(rank: int) -> dict:
             "experts_kept": model.moe.experts.w_down.shape[0] == 6}
 
 
+def misuse_expert_parallel_after_flat_params(rank: int) -> dict:
+    """apply_expert_parallel (ep=2) after FlatParams took the whole model: it replaced the expert parameters with
+    this rank's slices, which no FlatParams holds, while the FlatParams (and the optimizer) kept the old ones: the
+    experts silently never trained. Refused before any layer changes."""
+    model = seeded_model(torch.float64)
+    groups = build_groups(ParallelLayout(dp=4, ep=2), NUM_EXPERTS)
+    FlatParams(list(model.named_parameters()), groups.dp, True)
+    out = _outcome(lambda: apply_expert_parallel(model, groups))
+    out["experts_kept"] = model.moe.experts.w_down.shape[0] == NUM_EXPERTS
+    return out
+
+
 def misuse_layouts_differ(rank: int) -> dict:
     """build_groups given another layout, or another expert count, on the last rank. It made other new_group calls
     there, and every rank waited in them until the store timed out (a DistStoreError naming a key, after
@@ -316,7 +328,8 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
                                 timeout=timedelta(seconds=10))
         for name in RUNS:
             res[name] = train(rank, name)
-        for check in (misuse_experts_over_dp, misuse_reshaped, misuse_uneven_experts):
+        for check in (misuse_experts_over_dp, misuse_reshaped, misuse_uneven_experts,
+                      misuse_expert_parallel_after_flat_params):
             try:
                 res[check.__name__] = check(rank)
             except Exception:  # noqa: BLE001 - the test names it; the other checks still run

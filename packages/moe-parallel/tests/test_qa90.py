@@ -153,6 +153,16 @@ def test_an_expert_count_ep_does_not_divide_is_refused_naming_both(ranks):
     assert got["experts_kept"]
 
 
+def test_expert_parallel_after_flat_params_is_refused_before_any_layer_changes(ranks):
+    """Added after QA 90 (its left-alone item): the new expert slices were in no FlatParams and never trained."""
+    for r, res in enumerate(ranks):
+        got = res["misuse_expert_parallel_after_flat_params"]
+        assert got["outcome"].startswith(
+            "ValueError: moe.experts.w_gate_up is already in a FlatParams: apply_expert_parallel replaces the "
+            "expert parameters"), f"rank {r}: {got['outcome']}"
+        assert got["experts_kept"], f"rank {r}: a layer was sliced before the refusal"
+
+
 def test_build_groups_with_other_values_on_one_rank_fails_every_rank_at_once(ranks):
     refused = ("ValueError: parallel layout: num_experts=6 is not divisible by ep=4 (every expert-parallel rank must "
                "hold the same number of experts)")

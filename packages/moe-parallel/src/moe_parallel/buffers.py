@@ -116,6 +116,7 @@ class FlatParams:
             view = self.param_view(slot)
             view.copy_(slot.param.detach())
             slot.param.data = view
+            slot.param.in_flat_params = True  # apply_expert_parallel refuses to replace it afterwards
         if self.group_size > 1:  # replicas start identical (a rank seeded differently would otherwise diverge)
             dist.broadcast(self.param_buffer, dist.get_global_rank(group, 0), group=group)
         self.grads_bound = self.grad_dtype == self.param_dtype

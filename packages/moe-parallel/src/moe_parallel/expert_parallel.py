@@ -77,6 +77,11 @@ def apply_expert_parallel(
         if e % ep != 0:
             raise ValueError(f"{layer_name}: num_experts={e} is not divisible by ep={ep}")
         for pname, p in layer.experts.named_parameters():
+            if ep > 1 and getattr(p, "in_flat_params", False):
+                raise ValueError(f"{_experts_prefix(layer_name) + pname} is already in a FlatParams: "
+                                 "apply_expert_parallel replaces the expert parameters with this rank's slices, which "
+                                 "no FlatParams would hold (the experts would never train); expected "
+                                 "apply_expert_parallel first, then FlatParams")
             if p.dim() == 0 or p.shape[0] != e:
                 raise ValueError(f"{_experts_prefix(layer_name) + pname} has shape {tuple(p.shape)}, "
                                  f"expected num_experts={e} rows (one per expert)")
