@@ -13,7 +13,7 @@ from moe_train.config import Config, ConfigError
 from moe_train.model import Transformer, count_params, flops_per_token
 from moe_train.trainer.launch import make_runtime, pick_device
 from moe_train.trainer.metrics import max_over_ranks
-from moe_train.trainer.mfu import peak_tflops
+from moe_train.trainer.mfu import run_peak_tflops
 from moe_train.trainer.runtime import Runtime
 
 
@@ -81,7 +81,7 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
     tokens = steps * t.grad_accum * mb * seq
     tps = tokens / elapsed
     fpt = flops_per_token(m, seq)
-    peak = peak_tflops(device)
+    peak = run_peak_tflops(cfg, device)  # None (no MFU) for fp32 GEMMs
     counts = count_params(m)
     return {
         "preset": cfg.preset, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",

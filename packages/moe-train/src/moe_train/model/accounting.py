@@ -4,17 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_train.config import ModelConfig
+from moe_train.config import ConfigError, ModelConfig, validate_model
 
 
 @dataclass(frozen=True)
 class ParamCounts:
+    """total: every parameter of the built model, a tied embedding / lm head matrix once. active: total less the
+    routed experts a token does not select ((num_experts - top_k) x 3 x d x expert_hidden per MoE layer), so the
+    whole embedding and lm head matrices count, as is usual. embedding: those matrices (one when tied)."""
+
     total: int
-    active: int  # parameters touched by one token (top-k routed experts + shared + dense parts)
+    active: int
     embedding: int
 
 
 def count_params(cfg: ModelConfig) -> ParamCounts:
+    """The parameter counts of Transformer(cfg); cfg is checked as Transformer checks it (a top_k above
+    num_experts counted more active parameters than the model has)."""
+    validate_model(cfg)
     d, hd = cfg.d_model, cfg.resolved_head_dim
     attn = d * cfg.num_heads * hd * 2 + d * cfg.num_kv_heads * hd * 2
     total = active = norm_params(cfg) + attention_bias_params(cfg)
@@ -53,6 +60,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """Training FLOPs per token: 6 x active matmul parameters (the weights of attention, dense and expert
     MLPs at top-k, shared experts and their gates, routers and the lm head; not the input embedding, a lookup,
     nor the norm weights and attention biases) + causal attention."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ConfigError(f"flops_per_token: seq_len={seq_len!r}: expected a positive integer")
     counts = count_params(cfg)
     # the embedding lookup, norms and biases
     matmul_params = counts.active - cfg.vocab_size * cfg.d_model - norm_params(cfg) - attention_bias_params(cfg)

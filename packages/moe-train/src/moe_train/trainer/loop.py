@@ -22,7 +22,7 @@ from moe_train.trainer import checkpoint as ckpt
 from moe_train.trainer.ctrl_c import CtrlCWatch, stop_description
 from moe_train.trainer.data_setup import check_embedded_corpus_settings, resolve_data_dir
 from moe_train.trainer.metrics import MetricsLog, max_over_ranks, peak_memory_gib, router_health
-from moe_train.trainer.mfu import peak_tflops
+from moe_train.trainer.mfu import run_peak_tflops
 from moe_train.trainer.run_lock import RunFolderBusyError, RunFolderLock
 from moe_train.trainer.runtime import Runtime, StepResult
 from moe_train.trainer.launch import make_runtime, pick_device
@@ -78,7 +78,7 @@ class Trainer:
             self.last_eval_loss: float | None = None
             self.autocast = self.device.type == "cuda" and t.autocast_bf16
             self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
-            self.peak = peak_tflops(self.device)
+            self.peak = run_peak_tflops(cfg, self.device)  # None (no MFU) when the GEMMs run in fp32
             self.ctrl_c = CtrlCWatch()  # a Ctrl-C the garbage collector drops still stops the run
             self.async_saver = AsyncCheckpointer() if t.async_save else None
             # the background writer's barrier must not interleave with training collectives

@@ -6,6 +6,8 @@ import re
 
 import torch
 
+from moe_train.config import Config
+
 # Dense (non-sparse) bf16 peaks in TFLOP/s from the vendors' datasheets (half their "with sparsity" figures).
 # A key matches a whole word of the device name ("NVIDIA H100 80GB HBM3"): GH200 is not H200, GB200 not B200,
 # RTX A1000 not A100. The first match wins, so a variant with its own peak comes before its family's name.
@@ -36,3 +38,17 @@ def peak_tflops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     return peak_for_name(torch.cuda.get_device_name(device))
+
+
+def gemm_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    """The dtype a run's GEMMs run in: bf16 under bf16 autocast (train.autocast_bf16, on a GPU) or with bf16
+    resident weights (parallel.param_dtype=bf16), else fp32."""
+    autocast = device.type == "cuda" and cfg.train.autocast_bf16
+    return torch.bfloat16 if autocast or cfg.parallel.param_dtype == "bf16" else torch.float32
+
+
+def run_peak_tflops(cfg: Config, device: torch.device) -> float | None:
+    """The peak a run's MFU is measured against: the device's dense bf16 peak when its GEMMs run in bf16, None
+    (no MFU) when they run in fp32 (train.autocast_bf16=false with fp32 weights): fp32 GEMMs cannot reach the
+    bf16 tensor-core peak (H100 SXM: 989 bf16, 67 fp32), so an MFU against it read about 15x too low."""
+    return peak_tflops(device) if gemm_dtype(cfg, device) == torch.bfloat16 else None
