@@ -359,6 +359,11 @@ class Trainer:
         tokens_per_step = t.micro_batch_size * t.grad_accum * rt.dp_size * self.cfg.data.seq_len
         bar = tqdm(total=t.steps, initial=self.step, disable=not (self.is_main and t.progress), unit="step",
                    dynamic_ncols=True, mininterval=1.0)
+        def clock() -> float:  # after the queued GPU work: a step's last kernels count as training, not as eval or save
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            return time.perf_counter()
+
         # tokens/s: training steps only; the seconds spent on eval and saves (`paused`) leave the window
         window_start, window_tokens, paused = time.perf_counter(), 0, 0.0
         record: dict[str, Any] = {}
@@ -369,9 +374,7 @@ class Trainer:
             window_tokens += tokens_per_step
             bar.update(1)
             if self.step % t.log_interval == 0 or self.step == t.steps:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
-                elapsed = time.perf_counter() - window_start - paused
+                elapsed = clock() - window_start - paused
                 record.update(self._window_metrics(window_tokens, elapsed))
                 self._log(record)
                 post = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
@@ -380,14 +383,14 @@ class Trainer:
                 bar.set_postfix(post)
                 window_start, window_tokens, paused = time.perf_counter(), 0, 0.0
             if t.eval_interval > 0 and (self.step % t.eval_interval == 0 or self.step == t.steps):
-                started = time.perf_counter()
+                started = clock()
                 self.last_eval_loss = self.evaluate()
                 self._log({"step": self.step, "eval_loss": self.last_eval_loss})
                 if self.is_main and t.progress:
                     bar.write(f"step {self.step}: eval loss {self.last_eval_loss:.4f}")
                 paused += time.perf_counter() - started
             if t.save_interval > 0 and (self.step % t.save_interval == 0 or self.step == t.steps):
-                started = time.perf_counter()
+                started = clock()
                 self.save()
                 paused += time.perf_counter() - started
         bar.close()
