@@ -301,7 +301,8 @@ def to_hf_config(m: dict[str, Any], model_type: str, dtype: str, extra: dict[str
 # key means what transformers makes of it (GLM-4-MoE rotates half of each head; Qwen2-MoE has q/k/v biases).
 CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     "glm4_moe": {"partial_rotary_factor": 0.5, "rms_norm_eps": 1e-5, "num_nextn_predict_layers": 1},
-    "qwen2_moe": {"qkv_bias": True},
+    "qwen2_moe": {"qkv_bias": True, "num_experts": 60},
+    "qwen3_moe": {"num_experts": 128},
 }
 
 
@@ -356,6 +357,11 @@ def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     for key in ("attention_bias", "mlp_bias", "qkv_bias", "use_sliding_window"):
         if key != bias_key:
             _need(c, key, not c.get(key, default.get(key, False)), "false", c.get(key, default.get(key)))
+    # Qwen3's and Qwen2-MoE's layers follow layer_types even without use_sliding_window (whose sliding_window is then
+    # None or 0: transformers fails on the first forward); moe-train attends to the whole prefix in every layer.
+    _need(c, "layer_types", all(t == "full_attention" for t in c.get("layer_types") or []),
+          "only 'full_attention' (moe-train has no sliding-window attention)")
+    _need(c, "head_dim", hd % 2 == 0, "an even number (RoPE rotates pairs of dims)", hd)
     m: dict[str, Any] = {
         "vocab_size": c["vocab_size"], "d_model": d, "num_layers": c["num_hidden_layers"], "num_heads": heads,
         "num_kv_heads": c.get("num_key_value_heads") or heads, "head_dim": None if hd * heads == d else hd,
@@ -381,8 +387,10 @@ def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         # the tensor check verifies); a folder without a shared expert has nothing to gate.
         gated = c.get(NO_SHARED_EXPERT_GATE_KEY, True)
         _need(c, NO_SHARED_EXPERT_GATE_KEY, isinstance(gated, bool), "true or false", gated)
-        m.update(num_experts=c.get("num_experts", c.get("num_local_experts")),
-                 dense_layers=sorted(set(c.get("mlp_only_layers") or [])), shared_expert_hidden=shared,
+        experts = c.get("num_experts", c.get("num_local_experts", default["num_experts"]))
+        # transformers tests `layer_idx not in mlp_only_layers`: an index outside the layers names no layer.
+        dense = sorted({i for i in c.get("mlp_only_layers") or [] if i in range(c["num_hidden_layers"])})
+        m.update(num_experts=experts, dense_layers=dense, shared_expert_hidden=shared,
                  shared_expert_gate=mt == "qwen2_moe" and gated and shared > 0)
     else:  # glm4_moe
         _need(c, "n_group", c.get("n_group", 1) == 1, "1 (no group-limited routing)")
@@ -396,7 +404,11 @@ def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         live = c.get(NO_EXPERT_BIAS_KEY, True)
         _need(c, NO_EXPERT_BIAS_KEY, isinstance(live, bool), "true or false", live)
         router.update(gating="sigmoid", expert_bias=live, routed_scaling_factor=float(scale))
-        m.update(num_experts=c["n_routed_experts"], dense_layers=list(range(c.get("first_k_dense_replace", 1))),
+        first_dense = min(c.get("first_k_dense_replace", 1), c["num_hidden_layers"])  # more than all: all dense
+        # Glm4MoeForCausalLM's group routing takes the top 2 scores of each group: one expert cannot run.
+        _need(c, "n_routed_experts", c["n_routed_experts"] >= 2 or first_dense == c["num_hidden_layers"],
+              "an integer >= 2 (Glm4MoeForCausalLM fails on a single routed expert)")
+        m.update(num_experts=c["n_routed_experts"], dense_layers=list(range(first_dense)),
                  shared_expert_hidden=c.get("n_shared_experts", 1) * c["moe_intermediate_size"],
                  shared_expert_gate=False)
     return m, extra
