@@ -26,6 +26,10 @@ BLOCKS = {
     ("moe-precision", "import torch"): "raises: NotImplementedError",  # its last line: PrecisionRecipe("mxfp8")
     ("moe-train", "from moe_train import build_config, Transformer, count_params"): "run",
     ("moe-parallel", "import torch.distributed as dist"): "multi-rank: ParallelLayout(dp=4, ep=2), torchrun x4",
+    # the optimizer of the block above, with write / read left to the reader; the same sequence runs in
+    # moe-parallel's tests/test_optimizer_state_pieces.py (4 gloo ranks, restored at dp=2)
+    ("moe-parallel", "for p in opt.state_pieces():              # save: each element once, by the rank that owns it"):
+        "multi-rank: the ParallelLayout block's optimizer, torchrun x4",
     ("moe-ckpt", "from datetime import timedelta"): "multi-rank: Box.dim0 over 8 EP ranks, torchrun x8",
     ("moe-ckpt", "from moe_ckpt.hf import export_hf_folder, open_hf_folder"): "run",
 }
