@@ -9,6 +9,7 @@ token ever chooses it; SwiGLU experts [E, d, 2h] / [E, h, d] and a per-expert sc
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import traceback
@@ -179,18 +180,14 @@ def _weights(model: Model, shards: dict) -> dict:
             for n, p in model.named_parameters()}
 
 
-def _masters(opt: DistributedAdamW) -> list[tuple[str, int, torch.Tensor]]:
-    """(name, flat offset into the local tensor, master piece) of every element this rank's shards hold."""
+def _masters(opt: DistributedAdamW, shards: dict) -> list[tuple[str, int, torch.Tensor]]:
+    """(name, flat offset into the local tensor, master piece) of every element this rank owns: state_pieces()
+    places them in the global tensor, so an expert slice's first element comes off."""
     out = []
-    for flat, states in zip(opt.flats, opt.states):
-        if not flat.owns_unique_shard:
-            continue
-        for bucket, st in zip(flat.buckets, states):
-            lo, hi = bucket.shard_start, bucket.shard_start + bucket.shard_numel
-            for slot in bucket.slots:
-                a, b = max(lo, slot.start), min(hi, slot.start + slot.numel)
-                if a < b:
-                    out.append((slot.name, a - slot.start, st.master[a - lo : b - lo].clone()))
+    for p in opt.state_pieces():
+        if p.key == "master" and p.owner:
+            start = shards[p.name].row_offset * math.prod(p.global_shape[1:]) if p.name in shards else 0
+            out.append((p.name, p.offset - start, p.tensor.clone()))
     return out
 
 
@@ -207,7 +204,7 @@ def train(rank: int, name: str) -> dict:
     sync = GradientSync(flats, divisor=layout.dp)
     opt = DistributedAdamW(flats, ADAMW, world=groups.world)
     norms = [_train_step(model, sync, opt, step, rank, dtype) for step in range(STEPS)]
-    out = {"norms": norms, "weights": _weights(model, shards), "masters": _masters(opt),
+    out = {"norms": norms, "weights": _weights(model, shards), "masters": _masters(opt, shards),
            "step_counts": opt.param_step_counts(), "coords": groups.coords}
     if name == ROUND_TRIP_RUN:
         out["round_trip"] = round_trip(model, sync, opt, flats, groups, rank, dtype, shards)
