@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -58,7 +57,7 @@ class Trainer:
             self.is_main = rt.rank == 0
             data_dir = resolve_data_dir(cfg.data, is_main=False)
             # rank 0 prepares the embedded corpus on first use; the others wait here, and stop with it if it fails
-            self._checked_on_rank0(lambda: resolve_data_dir(cfg.data, is_main=True), DataError(
+            checked_on_rank0(self.runtime, lambda: resolve_data_dir(cfg.data, is_main=True), DataError(
                 f"rank 0 could not prepare the embedded corpus in {data_dir} (its error says why)"))
             # each rank reads the data folder as its host sees it (a local copy per host, say): one rank's refusal
             # stops every rank, not that rank alone while the others wait in the next collective
@@ -114,17 +113,14 @@ class Trainer:
             self.run_lock = RunFolderLock(self.cfg.train.run_dir)
             ckpt.check_run_dir_writable(self.cfg.train.run_dir, saves=self.cfg.train.save_interval > 0)
 
-        self._checked_on_rank0(lock_and_probe, RunFolderBusyError(
+        checked_on_rank0(self.runtime, lock_and_probe, RunFolderBusyError(
             f"train.run_dir={self.cfg.train.run_dir!r} is in use by another job or cannot be written (rank 0 could "
             "not lock it or write in it; its error says which)"))
-
-    def _checked_on_rank0(self, check: Callable[[], None], on_other_ranks: Exception) -> None:
-        checked_on_rank0(self.runtime, check, on_other_ranks)
 
     def _log(self, record: dict[str, Any]) -> None:
         """Every rank calls this: rank 0 appends `record` to metrics.jsonl; if that fails (a full disk), every
         rank stops, the others with a TrainingError naming rank 0's write."""
-        self._checked_on_rank0(lambda: self.log.write(record), TrainingError(
+        checked_on_rank0(self.runtime, lambda: self.log.write(record), TrainingError(
             f"rank 0 could not write {self.log.path} (its error says why); stopped with it"))
 
     def _close_runtime(self, e: BaseException) -> None:
@@ -311,7 +307,7 @@ class Trainer:
                     print(f"initialised from {init_from}", flush=True)
             # step records this run writes again: past the checkpoint (from a run that died after
             # it), or all of them on a fresh start (a run that died before its first checkpoint)
-            self._checked_on_rank0(lambda: self.log.rewind(self.step if resumed else -1), TrainingError(
+            checked_on_rank0(self.runtime, lambda: self.log.rewind(self.step if resumed else -1), TrainingError(
                 f"rank 0 could not rewrite {self.log.path} (its error says why); stopped with it"))
             if self.is_main:
                 if resumed and t.progress:
