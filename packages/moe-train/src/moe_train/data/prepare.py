@@ -61,9 +61,9 @@ def eval_blocks(num_tokens: int, eval_fraction: float, block: int) -> tuple[int,
 
 
 def _split_stream_file(stream: Path, num_tokens: int, folder: Path, eval_fraction: float,
-                       eos_id: int) -> dict[str, dict[str, int]]:
+                       eos_id: int) -> tuple[int, dict[str, dict[str, int]]]:
     """The uint32 file `stream` split by `eval_blocks`, a chunk at a time, into the train and eval files of `folder`.
-    Returns each split's tokens, documents and largest token id, as meta.json records them."""
+    Returns the block size used and each split's tokens, documents and largest token id, as meta.json records them."""
     block, is_eval = eval_blocks(num_tokens, eval_fraction, EVAL_BLOCK_TOKENS)
     step = block * max(1, SPLIT_CHUNK_TOKENS // block)  # whole blocks per chunk
     with (open(stream, "rb") as f, SplitWriter(folder, "train", eos_id) as train,
@@ -75,7 +75,8 @@ def _split_stream_file(stream: Path, num_tokens: int, folder: Path, eval_fractio
             train.write(chunk[~mask])
             held_out.write(chunk[mask])
         counts = {"train": (*train.finish(), train.max_token_id), "eval": (*held_out.finish(), held_out.max_token_id)}
-    return {name: {"num_tokens": t, "num_docs": d, "max_token_id": top} for name, (t, d, top) in counts.items()}
+    return block, {name: {"num_tokens": t, "num_docs": d, "max_token_id": top}
+                   for name, (t, d, top) in counts.items()}
 
 
 class _DocumentPass:
@@ -105,9 +106,11 @@ class _DocumentPass:
 def _encode_to_file(docs: Iterable[str], tok: Tokenizer, eos_id: int, path: Path,
                     piece_chars: int | None = None) -> int:
     """Tokenize `docs` a batch at a time into the uint32 file `path`, each document followed by eos_id (once, after
-    its last piece). piece_chars: cut documents into `_pieces` of about that many characters (only for a tokenizer
-    `_cuts_safely`), None: whole. Returns the number of tokens written."""
-    eos, none = np.array([eos_id], dtype=np.uint32), np.zeros(0, dtype=np.uint32)
+    its last piece; by the tokenizer's post-processor where that already ends every text with it). piece_chars: cut
+    documents into `_pieces` of about that many characters (only for a tokenizer `_cuts_safely`), None: whole.
+    Returns the number of tokens written."""
+    none = np.zeros(0, dtype=np.uint32)
+    eos = none if _post_processor_ends_with(tok, eos_id) else np.array([eos_id], dtype=np.uint32)
     written = 0
     with open(path, "wb") as f:
         for batch in _batches(_document_pieces(docs, piece_chars), ENCODE_BATCH_CHARS):
@@ -117,6 +120,18 @@ def _encode_to_file(docs: Iterable[str], tok: Tokenizer, eos_id: int, path: Path
             ids.astype("<u4", copy=False).tofile(f)
             written += ids.size
     return written
+
+
+def _post_processor_ends_with(tok: Tokenizer, eos_id: int) -> bool:
+    """Whether the tokenizer's post-processor ends every encoded text with eos_id itself (T5, BART, RoBERTa:
+    `$A </s>`): a second one would make every document end twice, an empty document after each."""
+    with_specials = tok.encode("a").ids
+    return len(with_specials) > len(tok.encode("a", add_special_tokens=False).ids) and with_specials[-1] == eos_id
+
+
+def _vocab_size(tok: Tokenizer) -> int:
+    """The ids the tokenizer can emit: its largest id + 1 (get_vocab_size() counts tokens, less where ids skip)."""
+    return max(tok.get_vocab_size(), max(tok.get_vocab().values(), default=-1) + 1)
 
 
 def _batches(items: Iterable[tuple[str, bool]], max_chars: int) -> Iterator[list[tuple[str, bool]]]:
@@ -318,18 +333,22 @@ def _build(docs: Iterable[str], tmp: Path, vocab_size: int, tokenizer_path: str 
     # A document's text "<|endoftext|>" (code about tokenizers, say) is text, not the end of the document. Set
     # after saving: the tokenizer.json users load keeps the library's default.
     tok.encode_special_tokens = True
+    # A tokenizer.json saved with truncation or padding (for a classifier, say) would cut every document to its
+    # max_length, or fill it with pad ids: a document is tokenized whole. After saving, as above.
+    tok.no_truncation()
+    tok.no_padding()
     # The split depends on the corpus's token count: the whole stream goes to a file first, then is split.
     encoding, stream = _DocumentPass(docs), tmp / "stream.u32"
     if piece_chars is not None and not _cuts_safely(tok):
         piece_chars = None  # another tokenizer's splitting is not known here: whole documents
     num_tokens = _encode_to_file(encoding, tok, eos_id, stream, piece_chars)
     encoding.require_documents()
-    splits = _split_stream_file(stream, num_tokens, tmp, eval_fraction, eos_id)
+    block, splits = _split_stream_file(stream, num_tokens, tmp, eval_fraction, eos_id)
     stream.unlink()
     write_meta(tmp, {
-        "format": FORMAT, "vocab_size": tok.get_vocab_size(), "eos_id": eos_id, "tokenizer": "tokenizer.json",
+        "format": FORMAT, "vocab_size": _vocab_size(tok), "eos_id": eos_id, "tokenizer": "tokenizer.json",
         "source": source, "corpus_sha256_16": encoding.sha256.hexdigest()[:16],
-        "eval_block_tokens": EVAL_BLOCK_TOKENS, "splits": splits,
+        "eval_block_tokens": block, "splits": splits,  # the blocks used: a small corpus gets smaller ones
     })
 
 

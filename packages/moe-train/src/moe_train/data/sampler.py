@@ -1,6 +1,8 @@
 """Deterministic, resumable sampling of fixed-length windows from a token stream.
 
-The stream is cut into non-overlapping windows of seq_len + 1 tokens (inputs and shifted targets).
+The stream is cut into windows of seq_len + 1 tokens (inputs and shifted targets) starting every seq_len tokens:
+window k is tokens[k*seq_len : (k+1)*seq_len + 1], its last token the next one's first, so every token but the
+stream's first is a target once per epoch; the tokens after the last whole window are not drawn.
 Epoch e visits the windows in a permutation seeded by (seed, e). The whole position is one
 integer, `samples_seen` (global, over all data-parallel ranks), so resuming is exact.
 """
