@@ -26,7 +26,7 @@ from moe_train.config import (  # noqa: E402
 )
 from moe_train.config_io import build_config  # noqa: E402
 from moe_train.model import Transformer, count_params, flops_per_token  # noqa: E402
-from moe_train.trainer.checkpoint import check_same_model  # noqa: E402
+from moe_train.trainer.resume_checks import check_same_model  # noqa: E402
 from moe_train.trainer.loop import Trainer  # noqa: E402
 from moe_train.trainer.schedule import param_groups  # noqa: E402
 

@@ -13,7 +13,7 @@ import torch
 
 from moe_ckpt import ShardSpec, save_checkpoint
 from moe_train.config import Config, ConfigError, ModelConfig, RouterConfig
-from moe_train.trainer.checkpoint import check_same_model
+from moe_train.trainer.resume_checks import check_same_model
 
 
 def config(router: dict | None = None, **model) -> Config:

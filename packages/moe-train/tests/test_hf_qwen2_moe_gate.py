@@ -33,7 +33,7 @@ from moe_ckpt.hf import HFConversionError, export_hf_folder, from_hf_config  # n
 from moe_train.config import Config, ConfigError, ModelConfig, RouterConfig, validate  # noqa: E402
 from moe_train.hf_bridge import export_hf, import_hf  # noqa: E402
 from moe_train.model import MoELayer, Transformer, count_params, flops_per_token  # noqa: E402
-from moe_train.trainer.checkpoint import check_same_model  # noqa: E402
+from moe_train.trainer.resume_checks import check_same_model  # noqa: E402
 from moe_train.trainer.schedule import param_groups  # noqa: E402
 
 transformers = pytest.importorskip("transformers")

@@ -249,3 +249,26 @@ def test_every_eval_is_the_same_evenly_spread_windows_of_eval_u32_on_every_layou
     gaps = np.diff(want)
     assert n > w.EVAL_WINDOWS == len(want) == len(set(want))
     assert gaps.max() - gaps.min() <= 1 and want[-1] - want[0] >= n - 1 - gaps.max()  # spread over the whole split
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.7, 0.15, 0.6, 0.04])
+def test_the_held_out_share_is_the_eval_fraction_asked_for_spread_evenly(fraction, tmp_path):
+    """eval_fraction = 0.3 held out every round(1/0.3) = 3rd block (a third), 0.7 and 0.6 every 2nd (a half), 0.15
+    every 7th: the corpus was split otherwise than asked, without a word. Now the share is the one asked for, to a
+    block, with no two held-out blocks bunched closer than the share allows; 1/n keeps its every n-th block."""
+    from moe_train.data.prepare import eval_blocks
+
+    block, is_eval = eval_blocks(1000 * 2048, fraction, 2048)
+    assert block == 2048 and abs(is_eval.sum() - fraction * is_eval.size) <= 1
+    held, kept = np.flatnonzero(is_eval), np.flatnonzero(~is_eval)
+    for idx, share in ((held, fraction), (kept, 1 - fraction)):  # evenly spread: gaps within one block of 1/share
+        gaps = np.diff(idx)
+        assert gaps.min() >= np.floor(1 / share) and gaps.max() <= np.ceil(1 / share), (share, gaps.min(), gaps.max())
+    _, every_tenth = eval_blocks(1000 * 2048, 0.1, 2048)
+    assert np.flatnonzero(every_tenth)[:3].tolist() == [5, 15, 25]  # 1/n as before: block n//2, then every n-th
+    docs = [f"document {i} " + "word " * 200 for i in range(60)]
+    meta = json.loads((prepare_data(docs, tmp_path / "d", vocab_size=300, eval_fraction=fraction) / "meta.json")
+                      .read_text())
+    tokens = {name: meta["splits"][name]["num_tokens"] for name in ("train", "eval")}
+    held_share = tokens["eval"] / (tokens["eval"] + tokens["train"])
+    assert abs(held_share - fraction) <= 1.5 * meta["eval_block_tokens"] / (tokens["eval"] + tokens["train"]), held_share

@@ -26,13 +26,13 @@ from moe_ckpt.errors import (
 from moe_ckpt.geometry import Box, FlatRange, Region, even_split, split_flat_buffer
 from moe_ckpt.index import FORMAT_VERSION
 from moe_ckpt.load import OpenCheckpoint, load_checkpoint, load_metadata, open_checkpoint, verify_checkpoint
-from moe_ckpt.rng import capture_rng_state, restore_rng_state
+from moe_ckpt.rng import capture_rng_state, check_rng_state, restore_rng_state
 from moe_ckpt.run_dir import apply_retention, find_latest, list_checkpoints, step_dir, step_of
 from moe_ckpt.save import save_checkpoint
 from moe_ckpt.spec import LoadRequest, ShardSpec
 from moe_ckpt.summary import format_checkpoint, inspect_checkpoint
 
-__version__ = "0.16.4"
+__version__ = "0.17.0"
 
 __all__ = [
     "AsyncCheckpointer",
@@ -60,6 +60,7 @@ __all__ = [
     "UnsupportedFormatVersionError",
     "apply_retention",
     "capture_rng_state",
+    "check_rng_state",
     "even_split",
     "fail_together",
     "find_latest",

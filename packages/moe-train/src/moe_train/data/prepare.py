@@ -15,6 +15,7 @@ import re
 import shutil
 import warnings
 from collections.abc import Iterable, Iterator
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -43,20 +44,26 @@ PIECE_CHARS = 1 << 16
 
 
 def eval_blocks(num_tokens: int, eval_fraction: float, block: int) -> tuple[int, np.ndarray]:
-    """Every round(1/eval_fraction)-th block of `block` tokens is held out, so eval samples the whole corpus.
-    Returns the block size (a small corpus gets smaller ones, still spread over all of it) and, per block,
-    whether it is held out."""
-    every = max(2, round(1 / eval_fraction))
+    """Blocks of `block` tokens, eval_fraction of them held out and spread evenly, so eval samples the whole corpus:
+    with eval_fraction = p/q (a fraction of denominator <= 10^6), block i is held out when floor((i + 1 + c)·p/q)
+    passes an integer, c = ceil(q / 2p) - 1, so 1/n holds out every n-th block from block n//2 on, and 0.3 three
+    in ten. Returns the block size (a small corpus gets smaller ones, still spread over all of it: at least two
+    blocks of each split where the corpus has the tokens) and, per block, whether it is held out."""
+    share = Fraction(eval_fraction).limit_denominator(10**6)
+    p, q = share.numerator, share.denominator
+    every = max(2, -(-q // min(p, q - p)))  # blocks per held-out (or kept, above 1/2) block, rounded up
     if num_tokens < 2 * every * block:
         block = max(1, num_tokens // (2 * every))
     n_blocks = max(1, -(-num_tokens // block))
-    is_eval = np.zeros(n_blocks, dtype=bool)
-    is_eval[every // 2 :: every] = True
+    c = -(-q // (2 * p)) - 1
+    i = np.arange(n_blocks, dtype=np.int64)
+    is_eval = (i + 1 + c) * p // q > (i + c) * p // q
     if not is_eval.any():
         is_eval[-1] = True
     if is_eval.all():
         raise DataError(f"the corpus is {num_tokens} tokens (documents and their end-of-text tokens), too few to "
-                        f"hold out an eval split (every {every}th block of tokens); give prepare-data more text")
+                        f"hold out an eval split ({eval_fraction:g} of the blocks of tokens); give prepare-data "
+                        f"more text")
     return block, is_eval
 
 

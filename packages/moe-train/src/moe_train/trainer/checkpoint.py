@@ -9,7 +9,6 @@ stored once; a reader that wants optim.X.master of such a checkpoint gets the fp
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import tempfile
 from collections.abc import Iterator
@@ -21,10 +20,10 @@ from torch import nn
 
 from moe_ckpt import (
     AsyncCheckpointer, Box, CheckpointError, CorruptMetadataError, FlatRange, LoadRequest, ShardSpec,
-    UnsupportedFormatVersionError, fail_together, find_latest, inspect_checkpoint, list_checkpoints, load_checkpoint,
-    load_metadata, open_checkpoint, save_checkpoint, step_dir, step_of,
+    UnsupportedFormatVersionError, check_rng_state, fail_together, find_latest, inspect_checkpoint, list_checkpoints,
+    load_checkpoint, load_metadata, open_checkpoint, save_checkpoint, step_dir, step_of,
 )
-from moe_train.config import Config, ConfigError, ModelConfig
+from moe_train.config import ConfigError
 from moe_train.trainer.errors import TrainingError
 from moe_train.trainer.runtime import CheckpointShard, Runtime, Slice
 
@@ -84,96 +83,17 @@ def _refuse_non_finite(specs: list[ShardSpec], runtime: Runtime, path: Path) -> 
                             "checkpoints already saved are kept (lower train.lr, or check the run's settings)")
 
 
-# Model fields a resumed run may change: they set kernels, precision, initialisation or loss
-# weights, not the network the saved tensors belong to.
-TRAINING_ONLY_MODEL_FIELDS = frozenset({
-    "model.gemm_backend", "model.precision", "model.init_std", "model.router.lb_loss_weight",
-    "model.router.z_loss_weight", "model.router.expert_bias_rate", "model.router.lb_loss_scope",
-})
-
-
-def _flat(section: dict[str, Any], prefix: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in section.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
-_NOT_RECORDED = object()  # a model field the checkpoint's config predates
-
-
-MOE_ONLY_FIELDS = ("model.dense_layers", "model.expert_hidden", "model.shared_expert_hidden", "model.shared_expert_gate")
-
-
-def _network(model: dict[str, Any]) -> dict[str, Any]:
-    """Flat model fields as the network they give: head_dim null is d_model // num_heads, dense_layers a
-    set (order and repeats do not change which layers are dense), and a dense model (num_experts 0) without the
-    fields only MoE layers read (an HF round trip resets them)."""
-    out = dict(model)
-    if out.get("model.num_experts") == 0:
-        out = {k: v for k, v in out.items() if k not in MOE_ONLY_FIELDS and not k.startswith("model.router.")}
-    d, heads = out.get("model.d_model"), out.get("model.num_heads")
-    if out.get("model.head_dim") is None and isinstance(d, int) and isinstance(heads, int) and heads > 0:
-        out["model.head_dim"] = d // heads
-    dense = out.get("model.dense_layers")
-    if isinstance(dense, list) and all(isinstance(i, int) for i in dense):
-        out["model.dense_layers"] = sorted(set(dense))
-    return out
-
-
-def _as_given(flat: dict[str, Any], network: dict[str, Any], key: str) -> str:
-    """A field's value as the config gave it, and what it amounts to where that differs (`None (= 16)`)."""
-    value = flat.get(key, _NOT_RECORDED)
-    if value is _NOT_RECORDED:
-        return f"(not recorded: {network[key]!r})" if key in network else "(no such field)"
-    return f"{value!r}" if network.get(key) == value else f"{value!r} (= {network.get(key)!r})"
-
-
-def _top_1_renormalisation_dropped(saved: dict[str, Any], want: dict[str, Any]) -> set[str]:
-    """{"model.router.normalize_top_k"} when a top-1 run saved with it true resumes with it false: training such a
-    router is refused (its one weight renormalises to 1, so the loss never reaches the router), and turning it off
-    is the fix the refusal names; the same tensors then weight each expert by its probability."""
-    key = "model.router.normalize_top_k"
-    top_1 = saved.get("model.router.top_k") == 1 == want.get("model.router.top_k")
-    return {key} if top_1 and saved.get(key) is True and want.get(key) is False else set()
-
-
-def model_differences(saved: dict[str, Any], cfg: Config) -> list[str]:
-    """The network fields where a checkpoint's model section (`saved`) and cfg's differ, one "field: checkpoint
-    X, this run Y" each; training-only fields may differ."""
-    saved_model, want_model = _flat(saved, "model."), _flat(cfg.to_dict()["model"], "model.")
-    defaults = _flat(dataclasses.asdict(ModelConfig()), "model.") if saved_model else {}
-    saved_net = _network({**{k: v for k, v in defaults.items() if k in want_model}, **saved_model})
-    want_net = _network(want_model)
-    may_change = TRAINING_ONLY_MODEL_FIELDS | _top_1_renormalisation_dropped(saved_net, want_net)
-    return [f"{k}: checkpoint {_as_given(saved_model, saved_net, k)}, this run {_as_given(want_model, want_net, k)}"
-            for k, v in sorted(saved_net.items()) if k not in may_change and want_net.get(k) != v]
-
-
-def check_same_model(path: Path, cfg: Config) -> None:
-    """Refuse to resume a checkpoint written for another model or sequence length: tensors of
-    the same shapes would load silently into a different network (fewer layers, tied
-    embeddings, another router). Fields are compared as the network they give (_network); a
-    field the checkpoint's config predates is taken at its default, what its writer computed."""
-    saved = load_metadata(path).get("config", {})
-    diffs = model_differences(saved.get("model", {}), cfg)
-    saved_seq = saved.get("data", {}).get("seq_len")
-    if saved_seq is not None and saved_seq != cfg.data.seq_len:
-        diffs.append(f"data.seq_len: checkpoint {saved_seq}, this run {cfg.data.seq_len}")
-    if diffs:
-        raise ConfigError(f"{path} was written for another configuration ({'; '.join(diffs)}); "
-                          "use the checkpoint's settings or a new train.run_dir")
-
-
 _TRAINER_METADATA = {  # what restore reads, and the JSON type each must be
     "step": int, "skipped_steps": int, "sampler": dict, "rng": dict, "layout": dict,
 }
 
 
 def check_trainer_metadata(path: Path) -> None:
-    """The fields the trainer's resume reads are there with their types, before any tensor is loaded: metadata.json
-    that is valid JSON but edited or written by another program fails here naming the field, not as a KeyError
-    half-way through restoring. A damaged checkpoint's error names the way back (_naming_the_way_back)."""
+    """The fields the trainer's resume reads are there with their types, before any tensor is loaded (the step, which
+    must be its folder's, the sampler's position, every generator's state, the model config check_same_model
+    compares): metadata.json that is valid JSON but edited or written by another program fails here naming the
+    field, not as a KeyError half-way through restoring, nor by resuming unchecked. A damaged checkpoint's error
+    names the way back (_naming_the_way_back)."""
     with _naming_the_way_back(path):
         _check_trainer_fields(path)
 
@@ -189,81 +109,30 @@ def _check_trainer_fields(path: Path) -> None:
     if not isinstance(meta["layout"].get("world_size"), int) or meta["layout"]["world_size"] < 1:
         raise CorruptMetadataError(f"{where}: layout.world_size={meta['layout'].get('world_size')!r}, expected a "
                                    "positive integer (the trainer writes it)")
+    # the step the run goes on from is the folder's: one the metadata contradicts is not what the save wrote
+    if step_of(path) is not None and meta["step"] != step_of(path):
+        raise CorruptMetadataError(f"{where}: step={meta['step']}, expected {step_of(path)} (the step of its folder, "
+                                   f"{path.name}; the trainer writes both)")
+    # what check_same_model compares: without it a checkpoint of another network would resume unchecked
+    model = meta.get("config", {}).get("model") if isinstance(meta.get("config"), dict) else None
+    if not isinstance(model, dict) or not model:
+        raise CorruptMetadataError(f"{where}: config.model={model!r}, expected the model config of the run that "
+                                   "wrote it (the trainer writes it; a resume compares it with this run's)")
+    for key, (least, required) in _COUNTS.items():
+        section, _, field = key.rpartition(".")
+        value = (meta[section] if section else meta).get(field)
+        if (required or value is not None) and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+            raise CorruptMetadataError(f"{where}: {key}={value!r}, expected an integer >= {least} (the trainer "
+                                       "writes it)")
+    try:
+        check_rng_state(meta["rng"])
+    except ValueError as e:
+        raise CorruptMetadataError(f"{where}: {e} (the trainer writes rank 0's generators there)") from None
 
 
-def check_not_past_the_end(path: Path, steps: int) -> None:
-    """Refuse to resume from a checkpoint past train.steps: the run would train nothing and report the
-    checkpoint's step as done (train.steps lowered, or the run folder of a longer run reused)."""
-    step = step_of(path)
-    if step is not None and step > steps:
-        raise ConfigError(f"train.steps={steps}: the run in {path.parent.parent} has a checkpoint at step {step} "
-                          f"({path.name}), past it, so there is nothing to train; expected train.steps >= {step} to "
-                          "continue that run, or a new train.run_dir")
-
-
-def eval_set_change(saved: dict[str, Any], cfg: Config, split_windows: int, step: int) -> str | None:
-    """A one-line warning when this run, resumed at `step`, evaluates on another set of windows than the
-    run that wrote the checkpoint (saved: its stored config); None when the eval losses stay comparable.
-
-    Both sets are min(asked, split_windows) windows spread evenly over the eval split. moe-train 0.3.0
-    stored train.eval_batches (eval_batches x micro_batch_size windows); 0.4.0 renamed it
-    train.eval_windows, whose default of 64 differs from most old sets."""
-    t = saved.get("train", {})
-    if not t.get("eval_interval"):
-        return None  # the checkpoint's run logged no eval losses to compare with
-    if "eval_windows" in t:
-        asked = int(t["eval_windows"])
-    elif "eval_batches" in t:
-        asked = int(t["eval_batches"]) * int(t["micro_batch_size"])
-    else:
-        return None
-    before, now = min(asked, split_windows), min(cfg.train.eval_windows, split_windows)
-    if before == now:
-        return None
-    return (f"eval losses before and after step {step} are not comparable: the run that wrote the checkpoint "
-            f"evaluated {before} windows, this one evaluates {now} (train.eval_windows={cfg.train.eval_windows}); "
-            f"set train.eval_windows={before} to keep the old eval set")
-
-
-def train_data_change(saved_sampler: dict[str, Any], num_windows: int, data_seed: int) -> str | None:
-    """A one-line warning when a resume continues the checkpoint's sample order on other training data
-    (another number of windows: data.path changed or the folder was re-prepared) or ignores this run's
-    data.seed (the checkpoint's seed keeps the order); None when it continues as the writer would have.
-    Checkpoints of moe-train <= 0.5 did not store the window count: only the seed is compared."""
-    notes = []
-    before = saved_sampler.get("num_windows")
-    if before is not None and int(before) != num_windows:
-        notes.append(f"the training data has {num_windows} windows of data.seq_len, the run that wrote the "
-                     f"checkpoint had {before} (data.path changed or re-prepared): sample "
-                     f"{saved_sampler.get('samples_seen')} onwards is drawn from this data, not the old order")
-    if int(saved_sampler.get("seed", data_seed)) != data_seed:
-        notes.append(f"data.seed={data_seed} is ignored on resume: the checkpoint's sampler seed "
-                     f"{saved_sampler['seed']} keeps the sample order (start a new train.run_dir for another order)")
-    return "; ".join(notes) or None
-
-
-def check_not_an_import(run_dir: str | Path) -> None:
-    """An `import-hf` output is no run folder: training there would begin from a random init beside the imported
-    weights, so it is refused, naming train.init_from, which starts a run from them."""
-    run = Path(run_dir)
-    if (run / "model.safetensors").is_file() and (run / "hf_extra.json").is_file():
-        raise ConfigError(f"train.run_dir={run_dir} holds an import-hf output (model.safetensors, hf_extra.json), not a "
-                          f"run: to train from its weights use train.init_from={run_dir} with another train.run_dir")
-
-
-def check_no_checkpoints_after(run_dir: str | Path, start_step: int, resume: bool) -> None:
-    """Refuse to start when a checkpoint folder past `start_step` exists: the run would train up
-    to it and then fail to save over it (an incomplete folder left by hand, or --no-resume on a
-    run that has checkpoints)."""
-    root = checkpoint_root(run_dir)
-    if not root.is_dir():
-        return
-    later = sorted(p.name for p in root.iterdir() if (step := step_of(p)) is not None and step > start_step)
-    if later:
-        why = (f"this run resumes from step {start_step}" if resume and start_step > 0
-               else "this run starts from step 0 (no resume)" if not resume else "no complete checkpoint was found")
-        raise ConfigError(f"train.run_dir={run_dir}: {root}/{later[0]} exists but {why}; the run would have to "
-                          f"write over {', '.join(later)}. Move those folders away or use a new train.run_dir")
+# Integers a resume reads: (least value, required); the others are absent from older checkpoints.
+_COUNTS = {"sampler.samples_seen": (0, True), "sampler.seed": (0, True), "sampler.seq_len": (1, True),
+           "sampler.num_windows": (1, False), "consecutive_skips": (0, False)}
 
 
 def check_run_dir_writable(run_dir: str | Path, saves: bool) -> None:

@@ -20,6 +20,7 @@ from moe_ckpt import CheckpointError, fail_together, inspect_checkpoint, step_of
 from moe_ckpt.hf import HFConversionError, read_json_object
 from moe_train.config import Config, ConfigError
 from moe_train.trainer import checkpoint as ckpt
+from moe_train.trainer import resume_checks
 from moe_train.trainer.runtime import CheckpointShard, Runtime, Slice
 
 
@@ -43,7 +44,7 @@ def check_init_source(cfg: Config) -> Path:
                               f"{model_type!r}), not ours: convert it first with `moe-train import-hf {given} OUT`, "
                               "then train.init_from=OUT (and --config OUT/config.json for its model settings)") from None
         raise ConfigError(f"train.init_from={given!r}: {e}") from None
-    diffs = ckpt.model_differences(stored.to_dict()["model"], cfg)
+    diffs = resume_checks.model_differences(stored.to_dict()["model"], cfg)
     if diffs:
         raise ConfigError(f"train.init_from={given!r} ({path}) holds the weights of another model ({'; '.join(diffs)}); "
                           "give this run the checkpoint's model settings (an import-hf output's config.json works as "

@@ -18,6 +18,7 @@ from moe_train.model import Transformer, count_params, flops_per_token
 from moe_train.model.router import refuse_a_router_the_loss_cannot_train
 from moe_ckpt import AsyncCheckpointer, capture_rng_state, fail_together, restore_rng_state, step_of
 from moe_train.trainer import checkpoint as ckpt
+from moe_train.trainer import resume_checks
 from moe_train.trainer.ctrl_c import CtrlCWatch, stop_description
 from moe_train.trainer.data_setup import check_embedded_corpus_settings, resolve_data_dir
 from moe_train.trainer.metrics import MetricsLog, max_over_ranks, peak_memory_gib, router_health
@@ -247,7 +248,7 @@ class Trainer:
         self.skipped_steps = int(meta["skipped_steps"])
         # a streak of skipped steps goes on across a restart (checkpoints before 0.9.8 do not record it: 0)
         self.consecutive_skips = int(meta.get("consecutive_skips", 0))
-        data_change = ckpt.train_data_change(meta["sampler"], self.sampler.num_windows, self.cfg.data.seed)
+        data_change = resume_checks.train_data_change(meta["sampler"], self.sampler.num_windows, self.cfg.data.seed)
         self.sampler.load_state_dict(meta["sampler"])
         if data_change and self.is_main:
             warnings.warn(data_change, stacklevel=2)
@@ -257,7 +258,7 @@ class Trainer:
         # checkpoints before moe-train 0.15.5 do not record them: None
         self.first_eval_loss, self.last_eval_loss = meta.get("first_eval_loss"), meta.get("last_eval_loss")
         if self.cfg.train.eval_interval > 0:
-            change = ckpt.eval_set_change(meta.get("config", {}), self.cfg, self.eval_split_windows, self.step)
+            change = resume_checks.eval_set_change(meta.get("config", {}), self.cfg, self.eval_split_windows, self.step)
             if change:  # losses over another eval set: none of them compares with this run's evals
                 self.first_eval_loss = self.last_eval_loss = None
                 if self.is_main:

@@ -8,6 +8,7 @@ from pathlib import Path
 from moe_ckpt import fail_together, step_of
 from moe_train.config import Config, ConfigError
 from moe_train.trainer import checkpoint as ckpt
+from moe_train.trainer import resume_checks
 from moe_train.trainer.init_from import check_init_source, ranks_agree_on
 from moe_train.trainer.rank0_checks import checked_on_rank0
 from moe_train.trainer.run_history import check_fresh_start_loses_no_history
@@ -41,7 +42,7 @@ def _local_resume_point(cfg: Config) -> tuple[Path | None, Path | None]:
     path = ckpt.latest(run_dir) if cfg.train.resume else None
     init_source = None
     if path is None:
-        ckpt.check_not_an_import(run_dir)
+        resume_checks.check_not_an_import(run_dir)
         if cfg.train.init_from is not None:
             if strategy == "fsdp":
                 raise ConfigError("parallel.strategy='fsdp': expected 'ddp' with train.init_from (the FSDP2 "
@@ -53,8 +54,8 @@ def _local_resume_point(cfg: Config) -> tuple[Path | None, Path | None]:
                               f"from {path.name} (the FSDP2 baseline loads no checkpoints); or use another "
                               "train.run_dir")
         ckpt.check_trainer_metadata(path)
-        ckpt.check_same_model(path, cfg)
-        ckpt.check_not_past_the_end(path, cfg.train.steps)
+        resume_checks.check_same_model(path, cfg)
+        resume_checks.check_not_past_the_end(path, cfg.train.steps)
     if cfg.train.save_interval > 0:  # a run that saves nothing writes over nothing
-        ckpt.check_no_checkpoints_after(run_dir, step_of(path) if path else 0, cfg.train.resume)
+        resume_checks.check_no_checkpoints_after(run_dir, step_of(path) if path else 0, cfg.train.resume)
     return path, init_source
