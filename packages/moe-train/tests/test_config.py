@@ -56,3 +56,9 @@ def test_fsdp_baseline_refuses_checkpoints_and_expert_parallelism_up_front():
     with pytest.raises(ConfigError, match="parallel.ep=2: expected 1 with parallel.strategy='fsdp'"):
         build_config("tiny", None, parse_overrides(["--parallel.strategy=fsdp", "--train.save_interval=0",
                                                     "--parallel.ep=2", "--parallel.dp=2"]))
+
+
+def test_expert_parallelism_over_a_dense_model_names_the_dense_model():
+    """ep=2 on num_experts=0 said 'expected a divisor of model.num_experts=0', which 2 is."""
+    with pytest.raises(ConfigError, match=r"parallel.ep=2: expected 1: model.num_experts=0 is a dense model"):
+        build_config("tiny", overrides={"model.num_experts": 0, "parallel.ep": 2, "parallel.dp": 2})

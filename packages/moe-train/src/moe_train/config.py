@@ -355,8 +355,8 @@ def validate(cfg: Config) -> Config:
                "would update the bf16 weights and moments; bf16 resident weights run with 'ddp')")
     _check(p.pp == 1, "parallel.pp", p.pp, "1 (pipeline parallelism is not built yet)")
     if p.ep > 1:
-        _check(m.num_experts > 0 and m.num_experts % p.ep == 0, "parallel.ep", p.ep,
-               f"a divisor of model.num_experts={m.num_experts}")
+        _check(m.num_experts > 0, "parallel.ep", p.ep, "1: model.num_experts=0 is a dense model, no experts to spread")
+        _check(m.num_experts % p.ep == 0, "parallel.ep", p.ep, f"a divisor of model.num_experts={m.num_experts}")
         _check(p.dp % p.ep == 0, "parallel.ep", p.ep, f"a divisor of parallel.dp={p.dp} (experts fold over data parallelism)")
     _check(p.expert_capacity_factor == 0 or p.expert_capacity_factor >= 1, "parallel.expert_capacity_factor",
            p.expert_capacity_factor, "0 (dropless) or >= 1")
