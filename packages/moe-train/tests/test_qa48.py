@@ -10,12 +10,12 @@ from moe_train.data import DataError, train_bpe
 def bpe_trainer_must_not_run(monkeypatch):
     """Asking tokenizers for a vocabulary of 10**11 aborts the whole process with a Rust out-of-memory backtrace
     (no Python error to catch); stand in for its trainer so a refusal that comes too late fails the test instead."""
-    from moe_train.data import prepare
+    from moe_train.data import tokenizer
 
     def refuse(*args, **kwargs):
         raise AssertionError(f"the BPE trainer was asked for vocab_size={kwargs.get('vocab_size')}")
 
-    monkeypatch.setattr(prepare.trainers, "BpeTrainer", refuse)
+    monkeypatch.setattr(tokenizer.trainers, "BpeTrainer", refuse)
 
 
 @pytest.mark.parametrize("vocab_size", [2**31, 10**11])

@@ -15,7 +15,9 @@ from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers, processors
 
 from moe_train.data import prepare_data, train_bpe
 from moe_train.data import prepare as prep
-from moe_train.data.prepare import EOS, MAX_WORD_CHARS, _cuts_safely, _encode_to_file, _pieces, _pre_tokenizer
+from moe_train.data import tokenizer as tokenizer_mod
+from moe_train.data.prepare import EOS, _encode_to_file
+from moe_train.data.tokenizer import MAX_WORD_CHARS, _cuts_safely, _pieces, _pre_tokenizer
 
 FILES = ["eval.docs.u64", "eval.u32", "meta.json", "tokenizer.json", "train.docs.u64", "train.u32"]
 PIECE_SIZES = [1, 2, 5, 17, 64, 255, 256, 257, 700]
@@ -77,7 +79,7 @@ def test_what_python_calls_non_whitespace_is_never_whitespace_to_the_tokenizers_
     kept = "".join(s for s, _ in pre_tokenizers.Split(Regex(r"\s"), behavior="removed").pre_tokenize_str(chars))
     onig_whitespace = set(chars) - set(kept)
     assert onig_whitespace <= {c for c in chars if c.isspace()}
-    assert set(prep._CUT_SPACE) <= onig_whitespace
+    assert set(tokenizer_mod._CUT_SPACE) <= onig_whitespace
     assert {c for c in chars if c.isspace()} - onig_whitespace == set("\x1c\x1d\x1e\x1f")  # what differs
     assert re.sub(r"\s", "", chars) == "".join(c for c in chars if not c.isspace())  # the cuts' \S is not isspace()
 
@@ -117,8 +119,8 @@ def test_prepare_data_in_pieces_writes_what_whole_documents_give(piece_chars, tm
     docs = corpus(piece_chars)
     whole = prepare_data(docs, tmp_path / "whole", vocab_size=400, piece_chars=None)
     calls = []
-    real_pieces = prep._pieces
-    monkeypatch.setattr(prep, "_pieces", lambda doc, n: calls.append(doc) or real_pieces(doc, n))
+    real_pieces = tokenizer_mod._pieces
+    monkeypatch.setattr(tokenizer_mod, "_pieces", lambda doc, n: calls.append(doc) or real_pieces(doc, n))
     monkeypatch.setattr(prep, "ENCODE_BATCH_CHARS", 1_000)  # a document's pieces in several batches
     cut = prepare_data(docs, tmp_path / "cut", vocab_size=400, piece_chars=piece_chars)
     given = prepare_data(docs, tmp_path / "given", tokenizer_path=str(whole / "tokenizer.json"),

@@ -1,4 +1,5 @@
-"""The `moe-train` command line: train, info, bench, export-hf, import-hf, inspect, prepare-data.
+"""The `moe-train` command line: train, info, bench, export-hf, import-hf, inspect, prepare-data. This module holds
+the argument parser and the dispatch; what each command does is in cli_commands.py.
 
 Config errors and data errors exit with status 2 and one line naming the field and what was expected.
 """
@@ -7,24 +8,20 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import shlex
 import signal
 import sys
 import traceback
 import warnings
-from pathlib import Path
 
 from moe_ckpt import CheckpointError
+from moe_train.cli_commands import (PREPARE_MAX_BYTES, PREPARE_VOCAB_SIZE, _cmd_bench, _cmd_hf, _cmd_info, _cmd_inspect,
+                                    _cmd_prepare, _cmd_train, _resume_hint)
 from moe_train.config import ConfigError
 from moe_train.config_io import build_config, parse_overrides
 from moe_train.presets import PRESETS
 from moe_train.trainer.errors import TrainingError
 
-
-PREPARE_VOCAB_SIZE = 4096  # prepare-data's defaults
-PREPARE_MAX_BYTES = 4_000_000
 
 
 class _StoreOnce(argparse._StoreAction):
@@ -198,143 +195,6 @@ def _parser() -> _Parser:
     return p
 
 
-def _cmd_train(cfg) -> None:
-    from moe_train.trainer.loop import Trainer
-
-    from moe_train.trainer.metrics import standard_json
-
-    trainer = Trainer(cfg)
-    summary = trainer.train()
-    if trainer.is_main:  # under torchrun, one summary rather than one per rank; a skipped last step's loss is null
-        print(standard_json(summary))
-
-
-def _cmd_info(cfg) -> None:
-    from moe_train.model import count_params, flops_per_token
-
-    c = count_params(cfg.model)
-    print(json.dumps({"preset": cfg.preset, "params_total": c.total, "params_active": c.active,
-                      "params_embedding": c.embedding,
-                      "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len), "config": cfg.to_dict()},
-                     indent=2))
-
-
-def _cmd_bench(cfg, args) -> None:
-    from moe_train.bench import run_bench
-
-    if args.out:  # found out before the run, not after it
-        out = os.path.abspath(args.out)
-        if os.path.isdir(out):
-            raise ConfigError(f"bench --out={args.out}: is a folder; expected a file path to write the JSON to")
-        if not os.path.isdir(os.path.dirname(out)):
-            raise ConfigError(f"bench --out={args.out}: its folder {os.path.dirname(out)!r} does not exist")
-    result = run_bench(cfg, args.steps, args.warmup)
-    if result.pop("rank") != 0:  # under torchrun: one report (its numbers cover every rank), one writer of --out
-        return
-    from moe_train.trainer.metrics import standard_json
-
-    text = standard_json(result, indent=2)  # a NaN final loss is null
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-
-
-def _cmd_prepare(args) -> None:
-    from moe_train.data import prepare_data, stdlib_documents, text_file_documents
-
-    # options that would be ignored are refused, so nobody believes they took effect
-    if args.tokenizer is not None and args.vocab_size is not None:
-        raise ConfigError(f"--vocab-size={args.vocab_size} with --tokenizer={args.tokenizer}: an existing tokenizer "
-                          "keeps its own vocabulary; pass one of the two")
-    if args.eos_token is not None and args.tokenizer is None:
-        raise ConfigError(f"--eos-token={args.eos_token} without --tokenizer: the BPE trained here ends documents "
-                          "with <|endoftext|>; pass --tokenizer too, or drop --eos-token")
-    if args.max_bytes is not None and args.max_bytes < 1:
-        raise ConfigError(f"--max-bytes={args.max_bytes}: expected a positive number of bytes")
-    if args.inputs and args.max_bytes is not None:
-        raise ConfigError(f"--max-bytes={args.max_bytes} applies to the default corpus only, and inputs were given "
-                          f"({len(args.inputs)}); drop one of the two")
-    if args.inputs:
-        docs, source = text_file_documents(args.inputs), ",".join(args.inputs)  # each file read when tokenized
-    else:
-        max_bytes = PREPARE_MAX_BYTES if args.max_bytes is None else args.max_bytes
-        docs, source = stdlib_documents(max_bytes), "python-stdlib"
-    vocab_size = PREPARE_VOCAB_SIZE if args.vocab_size is None else args.vocab_size
-    out = prepare_data(docs, args.out, vocab_size=vocab_size, tokenizer_path=args.tokenizer, source=source,
-                       eos_token=args.eos_token)
-    meta = json.loads((out / "meta.json").read_text())
-    train, held_out = meta["splits"]["train"], meta["splits"]["eval"]
-    print(f"wrote {out}: {train['num_tokens']:,} train tokens ({train['num_docs']:,} documents), "
-          f"{held_out['num_tokens']:,} eval tokens ({held_out['num_docs']:,}), vocab_size={meta['vocab_size']}")
-    # the model's vocabulary must hold every id the tokenizer emits, and the presets' is not the folder's
-    print(f"train on it: moe-train train --data.path={shlex.quote(str(out))} --model.vocab_size={meta['vocab_size']}")
-
-
-def _holds_checkpoint(folder) -> bool:
-    """A checkpoint, or a folder of them (a run's checkpoints/). A folder named step-N, committed or not, counts:
-    moe_ckpt says what is wrong with it."""
-    from moe_ckpt import find_latest, step_of
-
-    return ((folder / "index.json").exists() or step_of(folder.name.removesuffix(".tmp")) is not None
-            or find_latest(folder) is not None)
-
-
-def _existing_saved_run(given: str, expected: str):
-    """Path(given), for inspect and export-hf; one that does not exist, or a run that has not saved yet, is
-    refused naming it (moe_ckpt would say it has no index.json, or that no reader recognises it)."""
-    from moe_train.trainer.checkpoint import checkpoint_root
-
-    path = Path(given)
-    if not path.exists():
-        raise FileNotFoundError(f"{given!r} does not exist: {expected}")
-    root = checkpoint_root(path)
-    is_run = root.is_dir() or (path / "metrics.jsonl").is_file()  # checkpoints/ comes with the first save
-    if (is_run or path.name == "checkpoints") and not _holds_checkpoint(root if root.is_dir() else path):
-        raise FileNotFoundError(f"{'run ' if is_run else ''}{given!r} has no checkpoints yet (a run saves every "
-                                "train.save_interval steps and at its last step; never with train.save_interval=0)")
-    return path
-
-
-def _exported_checkpoint(given: str) -> str:
-    """Which checkpoint export-hf reads from `given`: a run folder's (or its checkpoints/ folder's) latest, named, so an
-    export says its step."""
-    from moe_train.trainer.checkpoint import newest_checkpoint
-
-    found = newest_checkpoint(given)
-    return str(found) if found is not None else given
-
-
-def _resume_hint(cfg) -> str:
-    """After a stopped run: where running it again starts (the steps since the latest checkpoint are lost)."""
-    from moe_ckpt import step_of
-    from moe_train.trainer.checkpoint import checkpoint_root, latest
-
-    t = cfg.train
-    root, found = checkpoint_root(t.run_dir), latest(t.run_dir)
-    every = f"saved every {t.save_interval} steps" if t.save_interval else "train.save_interval=0 saves none"
-    if found is None:
-        return f"no checkpoint in {root} ({every}): running the command again starts from step 0"
-    again = "run the same command again" if t.resume else "run it again with --resume (not --no-resume)"
-    return f"latest checkpoint: {found} ({every}); {again} to resume from step {step_of(found)}"
-
-
-def _cmd_inspect(args) -> None:
-    from moe_ckpt import format_checkpoint
-    from moe_train.trainer.checkpoint import checkpoint_root
-
-    expected = "expected a checkpoint folder (with index.json), a run's checkpoints/ folder or a run folder"
-    path = _existing_saved_run(args.checkpoint, expected)
-    if not path.is_dir():
-        raise NotADirectoryError(f"{args.checkpoint!r} is a file: {expected}")
-    if checkpoint_root(path).is_dir():  # a run folder
-        path = checkpoint_root(path)
-    if not _holds_checkpoint(path):
-        raise FileNotFoundError(f"{args.checkpoint!r} holds no checkpoint (no index.json, checkpoints/ or "
-                                f"metrics.jsonl): {expected}")
-    print(format_checkpoint(path))
-
-
 ALIASES = {"--resume": "--train.resume=true", "--no-resume": "--train.resume=false"}
 SHORT_KEYS = {"--save-interval": "--train.save_interval", "--steps": "--train.steps", "--run-dir": "--train.run_dir",
               "--resume": "--train.resume"}  # --resume=false as --train.resume=false
@@ -352,32 +212,6 @@ def expand_aliases(rest: list[str]) -> list[str]:
         else:
             out.append(arg)
     return out
-
-
-def _cmd_hf(args) -> None:
-    from moe_train.hf_bridge import export_hf, import_hf
-
-    if args.command == "export-hf":
-        _existing_saved_run(args.checkpoint, "expected a run folder, a checkpoint folder or a folder with "
-                            "model.safetensors and config.json")
-        source = _exported_checkpoint(args.checkpoint)
-        summary = export_hf(args.checkpoint, args.out, dtype=args.dtype, push_to_hub=args.push_to_hub,
-                            allow_benchmark_routing=args.allow_benchmark_routing, tokenizer_json=args.tokenizer,
-                            max_shard_bytes=args.max_shard_bytes, custom_code=args.custom_code)
-        shards = f"{summary.shards} shard{'s' if summary.shards != 1 else ''}"
-        print(f"wrote {args.out}: {summary.architecture} from {source}, {summary.num_tensors} tensors, "
-              f"{summary.total_bytes / 2**20:.1f} MiB of {args.dtype} in {shards}"
-              f"{f', pushed to {args.push_to_hub}' if args.push_to_hub else ''}")
-        # AutoTokenizer reads config.json through AutoConfig first: without trust_remote_code, a custom-code folder
-        # makes it ask "Do you wish to run the custom code? [y/N]" (and wait 15 s) before it falls back
-        remote = ", trust_remote_code=True" if args.custom_code else ""
-        shipped = (Path(args.out) / "tokenizer.json").is_file()
-        tokenizer = (f", AutoTokenizer.from_pretrained({args.out!r}{remote})" if shipped
-                     else " (no tokenizer.json in it: export-hf --tokenizer ships one)")
-        print(f"load it: transformers.AutoModelForCausalLM.from_pretrained({args.out!r}{remote}){tokenizer}")
-    else:
-        cfg, _ = import_hf(args.folder, args.out)
-        print(f"wrote {args.out} (preset-free config, {cfg.model.num_layers} layers, {cfg.model.num_experts} experts)")
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):
