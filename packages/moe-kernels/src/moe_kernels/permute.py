@@ -6,7 +6,7 @@ from typing import Literal
 
 import torch
 
-from moe_kernels.route_map import RouteMap, require_route_map, require_tensor
+from moe_kernels.route_map import RouteMap, refuse_dtensor, require_route_map, require_tensor
 from moe_kernels.triton import at_own_dtype, use_triton
 
 RowBackend = Literal["auto", "triton", "torch", "reference"]
@@ -56,6 +56,7 @@ def check_router_weights(weights: torch.Tensor, x: torch.Tensor, route_map: Rout
     are the usual mix; the sum accumulates in fp32 or wider)."""
     if not isinstance(weights, torch.Tensor):  # formatted only to raise: under torch.compile T may be symbolic
         require_tensor("router weights", weights, f"[T={route_map.num_tokens}, k={route_map.top_k}]")
+    refuse_dtensor("router weights", weights)
     if tuple(weights.shape) != (route_map.num_tokens, route_map.top_k):
         raise ValueError(
             f"weights shape {tuple(weights.shape)} != (T, k)=({route_map.num_tokens}, {route_map.top_k})"

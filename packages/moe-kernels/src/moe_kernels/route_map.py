@@ -7,6 +7,7 @@ Flat index convention: the (token t, slot s) pair of a [T, k] routing is flat ro
 from __future__ import annotations
 
 import operator
+import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -155,9 +156,28 @@ def require_route_map(route_map: Any) -> None:
 
 
 def require_tensor(name: str, value: Any, what: str) -> None:
-    """`value` is a torch.Tensor (a list or numpy array would fail later on a missing attribute)."""
+    """`value` is a torch.Tensor (a list or numpy array would fail later on a missing attribute), not a DTensor."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor {what}, got {type(value).__name__}")
+    refuse_dtensor(name, value)
+
+
+def refuse_dtensor(name: str, value: torch.Tensor) -> None:
+    """The ops compute on local tensors: torch has no DTensor rule for them (grouped_mm, the route map's scatter),
+    and a DTensor failed deep inside with "got mixed torch.Tensor and DTensor", naming neither the argument nor a
+    remedy that works. FSDP2 hands its layers plain tensors in forward; a DTensor here is a sharded parameter
+    reached outside it. (No DTensor exists unless its module was imported: no import here, which costs ~0.5 s.)"""
+    if torch.compiler.is_compiling():  # (dynamo would trace the sys.modules lookup)
+        return
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None or not isinstance(value, dtensor.DTensor):
+        return
+    raise TypeError(
+        f"{name} is a DTensor (placements {tuple(value.placements)}, global shape {tuple(value.shape)}): moe-kernels "
+        f"computes on local tensors. Pass {name}.to_local() (this rank's shard) or {name}.full_tensor(); under "
+        "FSDP2's fully_shard call the layer through its forward (or a method registered with "
+        "torch.distributed.fsdp.register_fsdp_forward_method), which gathers the parameters as plain tensors"
+    )
 
 
 def positive_int(name: str, value: Any) -> int:

@@ -11,6 +11,7 @@ import gc
 import os
 import signal
 import sys
+import textwrap
 import traceback
 import warnings
 
@@ -37,6 +38,17 @@ class _StoreOnce(argparse._StoreAction):
         super().__call__(parser, namespace, values, option_string)
 
 
+class _StoreTrueOnce(argparse._StoreTrueAction):
+    """A flag given twice is refused as any other option is (`--custom-code --custom-code`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = vars(namespace).setdefault("_options_given", {})
+        if self.dest in given:
+            parser.error(f"argument {'/'.join(self.option_strings)}: given twice; pass it once")
+        given[self.dest] = True
+        super().__call__(parser, namespace, values, option_string)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse's errors as one line, like ours (argparse prints its usage above them); no abbreviated
     options (`--pre` for `--preset`: a later option starting the same way would change what it means);
@@ -49,6 +61,7 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.register("action", None, _StoreOnce)
         self.register("action", "store", _StoreOnce)
+        self.register("action", "store_true", _StoreTrueOnce)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -96,19 +109,22 @@ Any config field is set as --section.field=value, e.g.
 SHORTHANDS_HELP = """
 Shorthands: --resume, --no-resume, --run-dir DIR, --save-interval N,
   --steps N"""
-BENCH_HELP = """
-Refused here, as bench would ignore them (it writes no run folder;
---steps sets its steps): --train.steps, --train.run_dir, --train.resume,
---train.save_interval and their shorthands."""
 # set by train's shorthands, or (steps) replaced by bench's own --steps; bench reads none of them
 BENCH_UNREAD = ("train.steps", "train.run_dir", "train.resume", "train.save_interval", "train.init_from")
+BENCH_HELP = """
+Refused here, as bench would ignore them (it writes no run folder,
+--steps sets its steps and the model starts from a random init):
+""" + textwrap.fill(", ".join(f"--{key}" for key in BENCH_UNREAD) + " and the shorthands of the first four.",
+                    width=70)
 
 
 def _path(text: str) -> str:
-    """A path argument; an empty one (`--config "$UNSET"`) would be taken as no file, or as the current folder."""
+    """A path argument; an empty one (`--config "$UNSET"`) would be taken as no file, or as the current folder.
+    A leading `~` is the home folder, as in a config's path fields: the shell leaves `--out=~/x` as typed, and
+    prepare-data wrote a folder named `~` here while the command it printed trained on ~/x."""
     if not text:
         raise argparse.ArgumentTypeError("expected a path, got an empty string")
-    return text
+    return os.path.expanduser(text)
 
 
 def _repo(text: str) -> str:

@@ -30,7 +30,7 @@ NULL_WORDS = ("~", "null", "none")  # YAML's null, and Python's spelling of it
 
 
 # what a field of each type takes, in words, for error messages
-_EXPECTED: dict[Any, str] = {bool: "true or false", int: "an integer", float: "a number"}
+_EXPECTED: dict[Any, str] = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 _EXPECTED_LIST = "a list like [0, 1] ([] for none)"
 
 
@@ -133,7 +133,12 @@ def apply_mapping(cfg: Config, mapping: dict[str, Any], prefix: str = "") -> Non
 
 
 def _field_annotation(dotted: str) -> Any | None:
-    """The declared type of a config key; None for a key that is no field (set_field names those)."""
+    """The declared type of a config key (`model.dense_layers[]`: of its items); None for a key that is no field
+    (set_field names those)."""
+    if dotted.endswith("[]"):
+        outer = _field_annotation(dotted[:-2])
+        outer = optional_inner(outer) or outer
+        return typing.get_args(outer)[0] if typing.get_origin(outer) is list else None
     annotation: Any = Config
     for part in dotted.split("."):
         if not dataclasses.is_dataclass(annotation):
@@ -172,8 +177,7 @@ def _refuse_silent_rewrites(loader: yaml.SafeLoader, node: yaml.Node, dotted: st
     if isinstance(node, yaml.SequenceNode):
         for item in node.value:
             if isinstance(item, yaml.ScalarNode):
-                if item.tag in _YAML_NUMBER_TAGS and _YAML_1_1_NUMBER.fullmatch(item.value):
-                    _refuse_yaml_1_1_number(loader, item, dotted)
+                _refuse_silent_scalar(loader, item, f"{dotted}[]")
             else:
                 _refuse_silent_rewrites(loader, item, f"{dotted}[]", where, seen)
         return
@@ -194,17 +198,34 @@ def _refuse_silent_rewrites(loader: yaml.SafeLoader, node: yaml.Node, dotted: st
         _refuse_silent_rewrites(loader, value_node, f"{prefix}{key}", where, seen)
 
 
+_YAML_NULL_TAG, _YAML_BOOL_TAG, _YAML_DATE_TAG = (f"tag:yaml.org,2002:{t}" for t in ("null", "bool", "timestamp"))
+
+
 def _refuse_silent_scalar(loader: yaml.SafeLoader, node: yaml.ScalarNode, dotted: str) -> None:
+    """Also an empty value, a YAML boolean or a date where the field takes none of them, named as typed: the
+    error would show the value YAML made of it (`train.steps=None` for an empty `steps:`, `train.steps=True` for
+    `steps: yes`, `datetime.date(2024, 1, 1)`). A null typed as such (`~`, `null`) is left to _coerce."""
     annotation = _field_annotation(dotted)
     is_string = str in (annotation, optional_inner(annotation))
     read_as = _YAML_READ_AS.get(node.tag)
     if read_as and _YAML_1_1_NUMBER.fullmatch(node.value) and not is_string:
-        _refuse_yaml_1_1_number(loader, node, dotted)
+        _refuse_yaml_1_1_number(loader, node, dotted.removesuffix("[]"))
+    # a date as typed: YAML's pattern takes 2024-13-45, which no calendar holds (constructing it raises)
+    value = node.value if node.tag == _YAML_DATE_TAG else loader.construct_object(node) if read_as else None
+    shown = str(value).lower() if isinstance(value, bool) else value
     if read_as and is_string:
-        value = loader.construct_object(node)
-        shown = str(value).lower() if isinstance(value, bool) else value
-        key = dotted.rsplit(".", 1)[-1]
+        key = dotted.rsplit(".", 1)[-1].removesuffix("[]")
         raise ConfigError(f'{dotted}: YAML read {node.value} as {read_as} {shown}; quote it: {key}: "{node.value}"')
+    if annotation is None or (node.tag == _YAML_NULL_TAG and (optional_inner(annotation) is not None
+                                                              or dotted == "preset")):
+        return  # a key that is no field (set_field names it), or a null where one is taken (`preset:` is tiny)
+    expected = _kind(annotation)
+    if node.tag == _YAML_NULL_TAG and not node.value:
+        raise ConfigError(f"{dotted}: the value is empty (YAML reads it as null); expected {expected}")
+    if node.tag == _YAML_DATE_TAG:
+        raise ConfigError(f"{dotted}={node.value}: expected {expected} (YAML reads it as a date)")
+    if node.tag == _YAML_BOOL_TAG and bool not in (annotation, optional_inner(annotation)):
+        raise ConfigError(f"{dotted}={node.value}: expected {expected} (YAML reads {node.value} as the boolean {shown})")
 
 
 def _read_yaml(text: str, dotted: str, where: str) -> Any:
@@ -215,7 +236,11 @@ def _read_yaml(text: str, dotted: str, where: str) -> Any:
         if node is None:
             return None
         _refuse_silent_rewrites(loader, node, dotted, where, set())
-        return loader.construct_document(node)
+        try:
+            return loader.construct_document(node)
+        except ValueError as e:  # a scalar of YAML's date pattern no calendar holds, under a key that is no field
+            raise ConfigError(f"{where}: YAML reads a value as a date and cannot ({e}); quote it if it is text") \
+                from None
     finally:
         loader.dispose()
 
@@ -232,6 +257,8 @@ def _kind(annotation: Any) -> str:
     annotation = optional_inner(annotation) or annotation
     if typing.get_origin(annotation) is list:
         return _EXPECTED_LIST
+    if dataclasses.is_dataclass(annotation):
+        return "a mapping of its fields"
     return _EXPECTED.get(annotation, "a value")
 
 
