@@ -85,3 +85,13 @@ def test_a_flag_given_twice_is_refused_as_any_option_is(tmp_path, capsys):
     status = exit_status(["export-hf", str(tmp_path / "run"), str(tmp_path / "hf"), "--custom-code", "--custom-code"])
     assert status == 2 and "argument --custom-code: given twice" in one_line_error(capsys)
     assert not (tmp_path / "hf").exists()
+
+
+def test_export_hf_of_a_hugging_face_folder_says_to_import_it_first(tmp_path, capsys):
+    """export-hf given a Hugging Face folder said only that no reader recognises it."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 64}))
+    assert main(["export-hf", str(hf), str(tmp_path / "out")]) == 2
+    assert "it is a Hugging Face folder: import-hf brings it to moe-train's names first" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -147,8 +147,12 @@ def open_checkpoint_source(ckpt: str | Path) -> Iterator[tuple[Config, TensorSou
             with source if isinstance(source, contextlib.AbstractContextManager) else contextlib.nullcontext():
                 yield _stored_config(path, cfg), source
             return
+    hint = ""
+    with contextlib.suppress(OSError, ValueError):  # a Hugging Face folder: its config.json names a model_type
+        if "model_type" in json.loads((path / "config.json").read_text()):
+            hint = "; it is a Hugging Face folder: import-hf brings it to moe-train's names first"
     raise HFConversionError(f"checkpoint {str(path)!r}: no reader recognises it (expected model.safetensors + "
-                            "config.json, a run dir with checkpoints/latest, or a registered reader's layout)")
+                            "config.json, a run dir with checkpoints/latest, or a registered reader's layout)" + hint)
 
 
 def stored_config(path: str | Path) -> Config:

@@ -180,9 +180,18 @@ def open_hf_folder(folder: str | Path) -> HFFolder:
     """Check config.json and every tensor (names, shapes); raise HFConversionError naming the first problem."""
     root = Path(folder)
     cfg_path = root / "config.json"
+    expected = "expected a Hugging Face model folder (config.json and *.safetensors)"
+    if not root.exists():
+        raise HFConversionError(f"{str(root)!r} does not exist; {expected}")
+    if not root.is_dir():
+        raise HFConversionError(f"{str(root)!r} is a file, not a folder; {expected}")
     if not cfg_path.is_file():
-        raise HFConversionError(f"{str(root)!r} has no config.json; expected a Hugging Face model folder")
+        raise HFConversionError(f"{str(root)!r} has no config.json; {expected}")
     hf_config = read_json_object(cfg_path)
+    if "model_type" not in hf_config and isinstance(hf_config.get("model"), dict):
+        raise HFConversionError(f"{cfg_path} is moe-train's own config (a 'model' section, no model_type): the folder "
+                                "is an import-hf output or a run, already in moe-train's names, not a Hugging Face "
+                                "folder; export-hf makes one of it, train.init_from trains from it")
     custom = hf_config.get("model_type") == CUSTOM_MODEL_TYPE  # our own modeling code (custom_code=True export)
     try:
         model_config, extra = from_custom_config(hf_config) if custom else from_hf_config(hf_config)
