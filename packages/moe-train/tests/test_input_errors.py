@@ -71,7 +71,7 @@ def test_bad_override_exits_2_naming_field_value_and_expectation(override, messa
     ("parallel:\n  collective_timeout_s: .inf\n", "parallel.collective_timeout_s=inf: expected a finite number"),
     ("train:\n\tsteps: 3\n", "invalid YAML at line 2, column 1: found character '\\t' that cannot start any token"),
     ("train: [\n", "invalid YAML at line 2"),
-    ("train:\n  run_dir:\n", "train.run_dir=None: expected a string; this field cannot be null"),
+    ("train:\n  run_dir:\n", "train.run_dir: the value is empty (YAML reads it as null; config file"),
     ("data:\n  path: ~\n", "data.path=None: expected a string; this field cannot be null"),
     ("data:\n  path: [a, b]\n", "data.path=['a', 'b']: expected a string"),
     ("train:\n  eval_batches: 4\n", "train.eval_batches was removed"),

@@ -52,13 +52,13 @@ def test_a_path_option_starting_with_a_tilde_is_the_home_folder_as_a_config_path
 
 
 @pytest.mark.parametrize("how,text,message", [
-    ("file", "train:\n  steps:\n", "train.steps: the value is empty (YAML reads it as null); expected an integer"),
-    ("file", "train:\n  steps: yes\n", "train.steps=yes: expected an integer (YAML reads yes as the boolean true)"),
-    ("file", "train:\n  seed: 2024-01-01\n", "train.seed=2024-01-01: expected an integer (YAML reads it as a date)"),
+    ("file", "train:\n  steps:\n", "train.steps: the value is empty (YAML reads it as null; config file"),
+    ("file", "train:\n  steps: yes\n", "train.steps=yes: expected an integer (YAML reads yes as the boolean true; config file"),
+    ("file", "train:\n  seed: 2024-01-01\n", "train.seed=2024-01-01: expected an integer (YAML reads it as a date; config file"),
     ("file", "model:\n  dense_layers:\n    - 0\n    -\n", "model.dense_layers[]: the value is empty (YAML reads it"),
-    ("file", "train:\n", "train: the value is empty (YAML reads it as null); expected a mapping of its fields"),
-    ("override", "--model.head_dim=on", "model.head_dim=on: expected an integer (YAML reads on as the boolean true)"),
-    ("override", "--train.seed=2024-13-45", "train.seed=2024-13-45: expected an integer (YAML reads it as a date)"),
+    ("file", "train:\n", "train: the value is empty (YAML reads it as null; config file"),
+    ("override", "--model.head_dim=on", "model.head_dim=on: expected an integer (YAML reads on as the boolean true; override --model.head_dim=on, line 1)"),
+    ("override", "--train.seed=2024-13-45", "train.seed=2024-13-45: expected an integer (YAML reads it as a date; override --train.seed=2024-13-45, line 1)"),
     ("file", "train:\n  run_dir: 2024-13-45\n", 'train.run_dir: YAML read 2024-13-45 as the date 2024-13-45; quote it'),
 ])
 def test_an_empty_value_a_boolean_or_a_date_a_field_does_not_take_is_named_as_typed(how, text, message, tmp_path, capsys):

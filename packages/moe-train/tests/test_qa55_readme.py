@@ -123,7 +123,7 @@ def test_block_runs_on_cpu(pkg, code, tmp_path, monkeypatch, request):
     else:
         exec(compile(code, f"<{pkg} README>", "exec"), ns)
     if pkg == "moe-train":
-        assert (tmp_path / "runs/default/metrics.jsonl").exists()
-        assert list((tmp_path / "runs/default/checkpoints").glob("step-*"))
+        assert (tmp_path / "runs/e16-api/metrics.jsonl").exists()
+        assert list((tmp_path / "runs/e16-api/checkpoints").glob("step-*"))
     if pkg == "moe-ckpt":
         assert (tmp_path / "out/hf/config.json").exists() and (tmp_path / "out/hf/tokenizer.json").exists()

@@ -169,7 +169,7 @@ def _refuse_silent_rewrites(loader: yaml.SafeLoader, node: yaml.Node, dotted: st
     octal or base-60 number where it is a number."""
     if isinstance(node, yaml.ScalarNode):
         if dotted:  # checked at each key it stands for (an alias may stand for fields of two types)
-            _refuse_silent_scalar(loader, node, dotted)
+            _refuse_silent_scalar(loader, node, dotted, where)
         return
     if id(node) in seen:  # an alias of a list or mapping: checked where its anchor is
         return
@@ -177,7 +177,7 @@ def _refuse_silent_rewrites(loader: yaml.SafeLoader, node: yaml.Node, dotted: st
     if isinstance(node, yaml.SequenceNode):
         for item in node.value:
             if isinstance(item, yaml.ScalarNode):
-                _refuse_silent_scalar(loader, item, f"{dotted}[]")
+                _refuse_silent_scalar(loader, item, f"{dotted}[]", where)
             else:
                 _refuse_silent_rewrites(loader, item, f"{dotted}[]", where, seen)
         return
@@ -201,7 +201,7 @@ def _refuse_silent_rewrites(loader: yaml.SafeLoader, node: yaml.Node, dotted: st
 _YAML_NULL_TAG, _YAML_BOOL_TAG, _YAML_DATE_TAG = (f"tag:yaml.org,2002:{t}" for t in ("null", "bool", "timestamp"))
 
 
-def _refuse_silent_scalar(loader: yaml.SafeLoader, node: yaml.ScalarNode, dotted: str) -> None:
+def _refuse_silent_scalar(loader: yaml.SafeLoader, node: yaml.ScalarNode, dotted: str, where: str) -> None:
     """Also an empty value, a YAML boolean or a date where the field takes none of them, named as typed: the
     error would show the value YAML made of it (`train.steps=None` for an empty `steps:`, `train.steps=True` for
     `steps: yes`, `datetime.date(2024, 1, 1)`). A null typed as such (`~`, `null`) is left to _coerce."""
@@ -220,12 +220,14 @@ def _refuse_silent_scalar(loader: yaml.SafeLoader, node: yaml.ScalarNode, dotted
                                                               or dotted == "preset")):
         return  # a key that is no field (set_field names it), or a null where one is taken (`preset:` is tiny)
     expected = _kind(annotation)
+    at = f"{where}, line {node.start_mark.line + 1}"
     if node.tag == _YAML_NULL_TAG and not node.value:
-        raise ConfigError(f"{dotted}: the value is empty (YAML reads it as null); expected {expected}")
+        raise ConfigError(f"{dotted}: the value is empty (YAML reads it as null; {at}); expected {expected}")
     if node.tag == _YAML_DATE_TAG:
-        raise ConfigError(f"{dotted}={node.value}: expected {expected} (YAML reads it as a date)")
+        raise ConfigError(f"{dotted}={node.value}: expected {expected} (YAML reads it as a date; {at})")
     if node.tag == _YAML_BOOL_TAG and bool not in (annotation, optional_inner(annotation)):
-        raise ConfigError(f"{dotted}={node.value}: expected {expected} (YAML reads {node.value} as the boolean {shown})")
+        raise ConfigError(f"{dotted}={node.value}: expected {expected} (YAML reads {node.value} as the boolean {shown}; "
+                          f"{at})")
 
 
 def _read_yaml(text: str, dotted: str, where: str) -> Any:

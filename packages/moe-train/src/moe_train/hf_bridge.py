@@ -79,6 +79,14 @@ class _OpenFilesSource:
         self._files.__exit__(*exc)
 
 
+def _hugging_face_folder_hint(path: Path) -> str:
+    """The way on when `path` is a Hugging Face folder (its config.json names a model_type), else ''."""
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        if "model_type" in json.loads((path / "config.json").read_text()):
+            return "; it is a Hugging Face folder: import-hf brings it to moe-train's names first"
+    return ""
+
+
 def _safetensors_reader(path: Path) -> tuple[dict[str, Any], TensorSource] | None:
     weights = path / "model.safetensors"
     if not weights.is_file():
@@ -91,7 +99,7 @@ def _safetensors_reader(path: Path) -> tuple[dict[str, Any], TensorSource] | Non
         cfg = None
     if not isinstance(cfg, dict) or "model" not in cfg:
         raise HFConversionError(f"checkpoint {str(path)!r}: expected config.json (Config.to_dict()) or a state.json "
-                                "with a 'config' entry beside model.safetensors")
+                                "with a 'config' entry beside model.safetensors" + _hugging_face_folder_hint(path))
     handle = open_safetensors(weights)  # lazy: one tensor is read per call
     return cfg, _OpenFilesSource(handle.get_tensor, handle)
 
@@ -147,12 +155,9 @@ def open_checkpoint_source(ckpt: str | Path) -> Iterator[tuple[Config, TensorSou
             with source if isinstance(source, contextlib.AbstractContextManager) else contextlib.nullcontext():
                 yield _stored_config(path, cfg), source
             return
-    hint = ""
-    with contextlib.suppress(OSError, ValueError):  # a Hugging Face folder: its config.json names a model_type
-        if "model_type" in json.loads((path / "config.json").read_text()):
-            hint = "; it is a Hugging Face folder: import-hf brings it to moe-train's names first"
     raise HFConversionError(f"checkpoint {str(path)!r}: no reader recognises it (expected model.safetensors + "
-                            "config.json, a run dir with checkpoints/latest, or a registered reader's layout)" + hint)
+                            "config.json, a run dir with checkpoints/latest, or a registered reader's layout)"
+                            + _hugging_face_folder_hint(path))
 
 
 def stored_config(path: str | Path) -> Config:
