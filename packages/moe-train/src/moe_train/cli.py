@@ -257,8 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             # A process group left in a reference cycle (an error's traceback holds the frames that hold it) is
             # freed here, while the interpreter is whole: a gloo group alive at exit can abort the process from
-            # one of its worker threads (pytorch#190489), after the command has already given its answer.
-            gc.collect()
+            # one of its worker threads (pytorch#190489), after the command has already given its answer. Only
+            # train and bench make process groups; a full collection costs the other commands up to a second in
+            # a long-lived process with a large heap.
+            if args.command in ("train", "bench"):
+                gc.collect()
 
 
 def _refuse_unknown(command: str, rest: list[str]) -> None:
