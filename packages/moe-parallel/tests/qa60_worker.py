@@ -7,7 +7,6 @@ other waiting, that rank fails with gloo's timeout (or "connection closed") inst
 from __future__ import annotations
 
 import os
-import time
 import traceback
 from datetime import timedelta
 
@@ -17,18 +16,9 @@ from torch import nn
 
 import moe_parallel
 from moe_parallel import AdamWConfig, DistributedAdamW, FlatParams
+from outcome import timed_outcome as _outcome
 
 CHECK_TIMEOUT = timedelta(seconds=6)
-
-
-def _outcome(fn) -> dict:  # noqa: ANN001
-    start = time.monotonic()
-    try:
-        fn()
-        text = "accepted"
-    except Exception as e:  # noqa: BLE001 - the test checks which error, and its message
-        text = f"{type(e).__name__}: {e}"
-    return {"outcome": text, "seconds": time.monotonic() - start}
 
 
 def _params(rank: int, case: str) -> list[tuple[str, nn.Parameter]]:

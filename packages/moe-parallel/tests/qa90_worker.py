@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 import traceback
 from datetime import timedelta
 
@@ -32,6 +31,7 @@ from moe_parallel import (
     build_groups,
     expert_parameter_names,
 )
+from outcome import timed_outcome as _outcome
 
 WORLD = 4
 D_IN, D, HIDDEN, NUM_EXPERTS, TOP_K, CLASSES = 7, 10, 6, 4, 2, 5
@@ -233,16 +233,6 @@ def round_trip(model, sync, opt, flats, groups, rank, dtype, shards) -> dict:  #
     resumed_norm = _train_step(model, sync, loaded, STEPS, rank, dtype)
     return {"straight": straight, "straight_norm": straight_norm, "resumed": _weights(model, shards),
             "resumed_norm": resumed_norm, "step_counts": loaded.param_step_counts()}
-
-
-def _outcome(fn) -> dict:  # noqa: ANN001
-    start = time.monotonic()
-    try:
-        fn()
-        text = "accepted"
-    except Exception as e:  # noqa: BLE001 - the test checks which error, and its message
-        text = f"{type(e).__name__}: {e}"
-    return {"outcome": text, "seconds": time.monotonic() - start}
 
 
 def misuse_experts_over_dp(rank: int) -> dict:
