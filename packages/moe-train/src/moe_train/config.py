@@ -180,6 +180,7 @@ MAX_LAYERS = 65536  # a typo guard: parameter counts and model building walk the
 INT64_MAX = 2**63 - 1  # torch and numpy take integers (seeds, sizes, divisors) as int64
 MAX_THREADS = 4096  # torch.set_num_threads takes a C int; far more than any machine's cores is a typo
 MAX_COLLECTIVE_TIMEOUT_S = 1e7  # about 116 days; datetime.timedelta overflows near 8.6e13 s
+MIN_COLLECTIVE_TIMEOUT_S = 1e-3  # one millisecond, the unit process groups count their timeout in
 # torch sizes a tensor's bytes in int64 ("Storage size calculation overflowed"): keep the widest
 # weight (d_model against the vocabulary, the attention heads or all experts' hidden rows) far below.
 MAX_WEIGHT_ELEMENTS = 2**48
@@ -269,9 +270,15 @@ def validate(cfg: Config) -> Config:
         _check(m.resolved_head_dim % 2 == 0, "model.head_dim", m.resolved_head_dim,
                f"an even number (RoPE rotates pairs{derived})")
     rotary = m.rotary_fraction * m.resolved_head_dim
+    # 0.14 x 100 is 14.000000000000002 and 0.58 x 100 is 57.99999999999999 in floating point (the export's rotary dims
+    # are int() of the product, as transformers' are): say so, not "gives 14" for a 14 refused
+    nearest = round(rotary)
+    rounded_off = rotary != nearest and nearest % 2 == 0 and abs(rotary - nearest) < 1e-9 * m.resolved_head_dim
+    gives = (f"{rotary!r} in floating point, not exactly {nearest}: use a fraction a float holds exactly (k / 2**n) "
+             "or another head_dim") if rounded_off else f"{rotary:g}"
     _check(rotary == int(rotary) and int(rotary) % 2 == 0, "model.rotary_fraction", m.rotary_fraction,
            f"a fraction of head_dim={m.resolved_head_dim} that rotates a whole even number of dims (RoPE rotates "
-           f"pairs; this one gives {rotary:g})")
+           f"pairs; this one gives {gives})")
     _check(m.num_experts >= 0, "model.num_experts", m.num_experts, "0 (dense) or a positive integer")
     for i in m.dense_layers:
         _check(0 <= i < m.num_layers, "model.dense_layers", m.dense_layers, f"indices in [0, {m.num_layers})")
@@ -340,8 +347,12 @@ def validate(cfg: Config) -> Config:
     for name in ("dp", "ep", "pp"):
         _check(getattr(p, name) >= 1, f"parallel.{name}", getattr(p, name), "a positive integer")
     _choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
-    _check(0 < p.collective_timeout_s <= MAX_COLLECTIVE_TIMEOUT_S, "parallel.collective_timeout_s",
-           p.collective_timeout_s, "a positive number of seconds <= 1e7 (about 116 days)")
+    # process groups take the timeout in whole milliseconds: below one it is 0, and gloo's first all-to-all then
+    # fails an internal check (`timeout_2.count() > 0`) with a traceback after the run has started
+    _check(MIN_COLLECTIVE_TIMEOUT_S <= p.collective_timeout_s <= MAX_COLLECTIVE_TIMEOUT_S,
+           "parallel.collective_timeout_s", p.collective_timeout_s,
+           "a positive number of seconds <= 1e7 (about 116 days) and >= 0.001 (process groups count whole "
+           "milliseconds: less is a timeout of 0)")
     _choice("parallel.strategy", p.strategy, ("ddp", "fsdp"))
     _choice("parallel.param_dtype", p.param_dtype, ("fp32", "bf16"))
     if p.strategy == "fsdp":
@@ -350,6 +361,9 @@ def validate(cfg: Config) -> Config:
         _check(t.save_interval == 0, "train.save_interval", t.save_interval,
                "0 with parallel.strategy='fsdp' (the FSDP2 baseline writes no checkpoints)")
         _check(p.ep == 1, "parallel.ep", p.ep, "1 with parallel.strategy='fsdp' (the dense-sharding baseline)")
+        _check(t.init_from is None, "train.init_from", t.init_from,
+               "null with parallel.strategy='fsdp' (the FSDP2 baseline loads no checkpoints; train.init_from runs with "
+               "'ddp')")
         _check(p.param_dtype == "fp32", "parallel.param_dtype", p.param_dtype,
                "'fp32' with parallel.strategy='fsdp' (the FSDP2 baseline keeps no fp32 masters: its torch AdamW "
                "would update the bf16 weights and moments; bf16 resident weights run with 'ddp')")

@@ -26,8 +26,19 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _launch_env(name: str, default: str) -> int:
+    """An integer the launcher (torchrun) set in the environment; one that is not is refused naming it, before any
+    process group (int() raised a ValueError traceback)."""
+    text = os.environ.get(name, default)
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} in the environment: expected an integer (torchrun sets it; unset it to "
+                          "run one process)") from None
+
+
 def launched_world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return _launch_env("WORLD_SIZE", "1")
 
 
 def make_runtime(cfg: Config, device: torch.device) -> Runtime:
@@ -49,9 +60,12 @@ def make_runtime(cfg: Config, device: torch.device) -> Runtime:
     except ValueError as e:  # the same one line on every rank, before any process group exists
         message = str(e)  # moe_parallel's own message starts "parallel layout: " already
         raise ConfigError(message if message.startswith("parallel layout:") else f"parallel layout: {message}") from None
-    rank = int(os.environ.get("RANK", "0"))
+    if p.backend == "nccl" and device.type != "cuda":  # torch would fail inside init_process_group, with a traceback
+        raise ConfigError(f"parallel.backend='nccl': expected 'gloo' or 'auto' on the {device.type} (train.device="
+                          f"{cfg.train.device!r}): NCCL runs on CUDA GPUs only")
+    rank = _launch_env("RANK", "0")
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", _launch_env("LOCAL_RANK", "0"))
         torch.cuda.set_device(device)
     backend = p.backend if p.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     timeout = timedelta(seconds=p.collective_timeout_s)
