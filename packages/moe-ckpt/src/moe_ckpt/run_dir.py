@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 
 from moe_ckpt.errors import CheckpointError
-from moe_ckpt.shard_file import fsync_dir
+from moe_ckpt.shard_file import fsync_dir, write_text_atomic
 
 INDEX = "index.json"
 METADATA = "metadata.json"
@@ -103,12 +103,8 @@ def find_latest(root: str | Path) -> Path | None:
 
 def write_latest(root: Path, checkpoint: Path) -> None:
     """Point root/latest at `checkpoint` (a temp file renamed over the old pointer)."""
-    tmp = root / f".{LATEST}.tmp-{uuid.uuid4().hex}"
-    with open(tmp, "w") as f:
-        f.write(checkpoint.name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / LATEST)
+    # a temp name remove_leftovers knows (_LATEST_TMP), should the removal on failure fail too
+    write_text_atomic(root / LATEST, checkpoint.name + "\n", tmp=root / f".{LATEST}.tmp-{uuid.uuid4().hex}")
     fsync_dir(root)
 
 

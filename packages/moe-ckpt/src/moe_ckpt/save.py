@@ -196,8 +196,8 @@ def _commit(path: Path, tmp: Path, metadata: dict | None, world_size: int, algor
         os.remove(tmp / manifest_name(r, world_size))
     fsync_dir(tmp)
     os.rename(tmp, path)
-    fsync_dir(path.parent)
-    try:
+    try:  # committed: a failure from here on is recorded for every rank to raise (not rank 0's alone)
+        fsync_dir(path.parent)
         if update_latest:
             write_latest(path.parent, path)
         if keep_last_n is not None:

@@ -12,6 +12,7 @@ spaces to a multiple of 8), then the raw row-major bytes of each tensor in order
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -80,7 +81,8 @@ def write_shard_file(
     # Three streams overlap: this thread copies bytes into the page cache, one worker
     # checksums the same chunks (in order), another starts writeback with fdatasync
     # every _FLUSH bytes so the final fsync does not write the whole file at once.
-    with open(path, "wb", buffering=0) as f, ThreadPoolExecutor(1) as summer, ThreadPoolExecutor(1) as flusher:
+    with naming(path), open(path, "wb", buffering=0) as f, ThreadPoolExecutor(1) as summer, \
+            ThreadPoolExecutor(1) as flusher:
         pending_flush = None
         for chunk in _chunks(head, entries):
             summer.submit(check.update, chunk)
@@ -120,13 +122,26 @@ def file_checksum(path: Path, algorithm: str) -> FileRecord:
     return FileRecord(total, check.hexdigest())
 
 
+@contextlib.contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """An OSError naming no file, as a write, fsync or close of a file descriptor raises ("[Errno 28] No space left
+    on device"), is raised again naming `path`: which disk filled, which file failed to reach it."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise type(e)(e.errno, e.strerror, str(path)).with_traceback(e.__traceback__) from None
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename / create inside directory `path` durable."""
     fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with naming(path):
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def write_json_atomic(path: Path, obj: object) -> None:
@@ -134,12 +149,13 @@ def write_json_atomic(path: Path, obj: object) -> None:
     write_text_atomic(path, json.dumps(obj, indent=1))
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write text to a temp name beside `path`, fsync, then os.replace onto `path`: a reader sees the whole text
-    under `path` or no file (open + write would show it empty or cut to another process in between)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def write_text_atomic(path: Path, text: str, tmp: Path | None = None) -> None:
+    """Write text to a temp name beside `path` (`tmp`, by default .NAME.tmp-PID), fsync, then os.replace onto `path`:
+    a reader sees the whole text under `path` or no file (open + write would show it empty or cut to another
+    process in between). The temp file is removed if any of it fails."""
+    tmp = tmp or path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w") as f:
+        with naming(tmp), open(tmp, "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
