@@ -252,6 +252,10 @@ class Trainer:
         self.sampler.load_state_dict(meta["sampler"])
         if data_change and self.is_main:
             warnings.warn(data_change, stacklevel=2)
+        batch_change = resume_checks.global_batch_change(meta.get("config", {}), meta.get("layout", {}), self.cfg,
+                                                         self.step)
+        if batch_change and self.is_main:
+            warnings.warn(batch_change, stacklevel=2)
         # rank 0's generators, on every rank and every layout: all ranks seed with train.seed and draw alike, so
         # their states agree at a save; another layout goes on from the saved state instead of train.seed's
         restore_rng_state(meta["rng"])

@@ -130,6 +130,25 @@ def eval_set_change(saved: dict[str, Any], cfg: Config, split_windows: int, step
             f"set train.eval_windows={before} to keep the old eval set")
 
 
+def global_batch_change(saved: dict[str, Any], saved_layout: dict[str, Any], cfg: Config, step: int) -> str | None:
+    """A one-line warning when this run, resumed at `step`, takes another number of sequences per optimizer step
+    than the run that wrote the checkpoint (saved: its stored config; saved_layout: its layout record), as a batch
+    ramp does on purpose and a changed micro-batch, grad_accum or dp does by accident; None when it is the same.
+    The lr schedule goes on by step either way."""
+    t = saved.get("train", {})
+    try:
+        before = int(t["micro_batch_size"]) * int(t["grad_accum"]) * int(saved_layout["dp"])
+    except (KeyError, TypeError, ValueError):
+        return None  # a checkpoint that does not record them: nothing to compare
+    now = cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.parallel.dp
+    if before == now:
+        return None
+    return (f"the global batch changes at step {step}: {now} sequences per step now (train.micro_batch_size="
+            f"{cfg.train.micro_batch_size} x train.grad_accum={cfg.train.grad_accum} x parallel.dp={cfg.parallel.dp}), "
+            f"{before} in the run that wrote the checkpoint; each step from here trains on {now * cfg.data.seq_len:,} "
+            "tokens, and the lr schedule goes on by step (train.steps and train.warmup_steps count steps, not tokens)")
+
+
 def train_data_change(saved_sampler: dict[str, Any], num_windows: int, data_seed: int) -> str | None:
     """A one-line warning when a resume continues the checkpoint's sample order on other training data
     (another number of windows: data.path changed or the folder was re-prepared) or ignores this run's
