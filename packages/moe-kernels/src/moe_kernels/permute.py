@@ -81,12 +81,13 @@ def permute(x: torch.Tensor, route_map: RouteMap, backend: RowBackend = "auto") 
         from moe_kernels.triton.permute_kernels import PermuteFn
 
         return PermuteFn.apply(x, route_map.dest_row, route_map.top_k)
-    # Each (token, slot) row gathered once, by sort_order, from x repeated k times: the backward adds every row
-    # into its own slot (x.index_select(0, source_token)'s backward is index_add_, on CUDA atomics in the
-    # gradient's dtype: a bf16 sum over the k slots in a run-dependent order) and then sums the k slots in the
-    # reduction's fp32, once rounded, as the triton kernels and combine do.
-    repeated = x.unsqueeze(1).expand(-1, route_map.top_k, -1).reshape(route_map.num_rows, x.shape[1])
-    return repeated.index_select(0, route_map.sort_order)
+    # Each (token, slot) row gathered once from a [T, k, d] view of x repeated k times (an expand: no copy): the
+    # backward puts every row into its own (token, slot) place and then sums the k slots in the reduction's fp32,
+    # once rounded, as the triton kernels and combine do (x.index_select(0, source_token)'s backward is index_add_,
+    # on CUDA atomics in the gradient's dtype: a bf16 sum over the k slots in a run-dependent order).
+    token = route_map.source_token
+    slot = route_map.sort_order - token * route_map.top_k
+    return x.unsqueeze(1).expand(-1, route_map.top_k, -1)[token, slot]
 
 
 def combine(
