@@ -1,0 +1,848 @@
+"""The READMEs (README.md and packages/*/README.md) against the code, as a newcomer who trusts them finds it (QA 107).
+
+test_qa55_readme.py runs the ```python blocks; this checks the rest, in-process, without training:
+  - paths: every repo path a README cites (tests/, bench/, bench/results/, tools/, src/ and module paths such as
+    `model/rope.py`, bare `*.py` / `*.json` / `*.log` names) exists, relative to its package, the repo root, the
+    package's src/<module>, its bench/, or (a `tests/...` a README names as another package's) a sibling package;
+  - results: every cited bench/results JSON parses, and every number with a unit (K tokens/s, GiB, ms, TFLOP/s,
+    TB/s, GB/s, ×) in a paragraph citing one, and every number in a table citing one (or under / above a paragraph
+    that does), is in that file at the README's rounding, or is a ratio of two numbers quoted beside it; the
+    numbers that come from elsewhere (peers, hardware, derived estimates) are listed in NOT_FROM_FILE with why;
+  - CLI: every `moe-train ...` command (bash blocks, inline code, torchrun -m moe_train) parses with
+    moe_train.cli._parser(), its overrides set real config fields with values they accept, and bench's overrides pass
+    bench's own refusal; every `--flag` shown alone in the root / moe-train README is an option, shorthand or a
+    config field;
+  - config: every `model.x` / `train.y` / `data.z` / `parallel.w` named in the root, moe-train, moe-ckpt and
+    moe-parallel READMEs is a field of moe_train.config's dataclasses (a value given with `=` is accepted); every
+    `x=value` in moe-train's README whose x is no field is listed in NOT_A_FIELD; presets named exist; the
+    defaults the READMEs state (DEFAULTS) equal the dataclasses' and the CLI's;
+  - API: every `from moe_x import ...` in a README, and every `moe_x.Name` / `moe_x.mod.Name` named, exists
+    (top-level names in `__all__`); every `__all__` name appears in its package's README;
+  - versions: moe-train's and moe-parallel's `==` pins equal the pinned packages' versions, each CHANGELOG's
+    newest entry is its package's version, and no README names a version of a package past its current one.
+Each check has a test that feeds it a damaged copy of a README and sees it fail.
+
+What it found (QA 107, at moe-train 0.19.14), fixed in the READMEs:
+  - moe-kernels' H100 table (README lines 280-283 after the edits) quoted three back-to-back TFLOP/s one too
+    high: (a) E=8 dense 561 (file 560.47), (a) E=128 ours 476 (475.49), (b) E=128 torch block 401 (400.46); the
+    number check found 476, the other two match other numbers in those files, so
+    test_moe_kernels_h100_table_is_its_files_rows pins the table cell by cell;
+  - 23 `__all__` names no README mentioned: moe-kernels grouped_gemm, grouped_gemm_reference, DispatchResult,
+    IdentityCodec; moe-parallel RankCoords, OptimizerStepResult, moe_layers, ExpertShard, apply_fsdp;
+    moe-precision KNOWN_RECIPES, PLANNED_RECIPES; moe-ckpt OpenCheckpoint, Region, SaveStats, format_checkpoint;
+    moe-train ConfigError, ModelConfig, RouterConfig, DataConfig, TrainConfig, ParallelConfig, get_preset, PRESETS.
+Every path, result file, command, flag, field, preset, default, version, pin and CHANGELOG agreed. No README names a
+test function (only test files). A number matches any number of its file at the README's rounding (notes' text
+included), so the number check is loose: it catches a number no run gave, not one put in the wrong cell.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+import importlib
+import json
+import os
+import re
+import shlex
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+PACKAGES = ("moe-kernels", "moe-parallel", "moe-precision", "moe-ckpt", "moe-train")
+MODULE = {p: p.replace("-", "_") for p in PACKAGES}
+README_NAMES = ("root",) + PACKAGES
+
+
+def readme_path(name: str) -> Path:
+    return ROOT / "README.md" if name == "root" else ROOT / "packages" / name / "README.md"
+
+
+def readme_dir(name: str) -> Path:
+    return readme_path(name).parent
+
+
+@functools.cache
+def readme_text(name: str) -> str:
+    return readme_path(name).read_text(encoding="utf-8")
+
+
+# ---------------------------------------------------------------- paths
+
+PREFIXED = re.compile(r"(?<![\w.~/-])((?:\.\./)*(?:tests|bench|tools|src|packages|model|trainer|results|moe_kernels|"
+                      r"shared)/[\w.*{},/-]*[\w*}/])")
+BARE = re.compile(r"(?<![\w./*{},-])([\w*{},-]+\.(?:py|json|sh|log|txt|csv))(?![\w/])")
+# run artifacts and example names a README shows, not files of the repository
+ARTIFACTS = {"config.json", "index.json", "metadata.json", "tokenizer.json", "meta.json", "hf_extra.json",
+             "generation_config.json", "results.json", "OUT.json", "F.json", "configuration_moe_train.py",
+             "modeling_moe_train.py"}
+
+
+@functools.cache
+def repo_basenames() -> frozenset[str]:
+    names = set()
+    for top in (ROOT / "packages", ROOT / "tools"):
+        for dirpath, dirnames, filenames in os.walk(top):
+            dirnames[:] = [d for d in dirnames if d not in ("__pycache__", ".pytest_cache")]
+            names.update(filenames)
+    return frozenset(names)
+
+
+def _braces(pattern: str) -> list[str]:
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if not m:
+        return [pattern]
+    return [q for alt in m.group(1).split(",") for q in _braces(pattern[: m.start()] + alt + pattern[m.end():])]
+
+
+def _matches(path: Path) -> list[Path]:
+    out = []
+    for p in _braces(str(path)):
+        out += [Path(x) for x in sorted(Path("/").glob(p.lstrip("/")))] if any(c in p for c in "*?[") else \
+            ([Path(p)] if Path(p).exists() else [])
+    return out
+
+
+def resolve(name: str, cited: str) -> list[Path]:
+    """The files a README's path names (a glob gives every match); [] when none exists."""
+    here = readme_dir(name)
+    bases = [here, ROOT]
+    if name != "root":
+        bases += [here / "src" / MODULE[name], here / "src", here / "bench"]
+    for base in bases:
+        found = _matches(base / cited.rstrip("/"))
+        if found:
+            return found
+    if cited.startswith("tests/"):  # moe-ckpt's README names moe-train's tests/test_qa94.py, saying so
+        for p in PACKAGES:
+            found = _matches(ROOT / "packages" / p / cited)
+            if found:
+                return found
+    return []
+
+
+def cited_paths(text: str) -> list[tuple[int, str]]:
+    out = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        for m in PREFIXED.finditer(line):
+            out.append((lineno, m.group(1)))
+        for m in BARE.finditer(line):
+            if m.group(1) not in ARTIFACTS:
+                out.append((lineno, m.group(1)))
+    return out
+
+
+def missing_paths(name: str, text: str) -> list[str]:
+    missing = []
+    for lineno, cited in cited_paths(text):
+        if cited.startswith("../") and not (readme_dir(name) / cited).resolve().is_relative_to(ROOT):
+            if not (readme_dir(name) / cited).resolve().exists():  # ../shared/: the project's notes beside the repo
+                missing.append(f"{name} README line {lineno}: {cited}")
+            continue
+        if "/" in cited:
+            if not resolve(name, cited):
+                missing.append(f"{name} README line {lineno}: {cited}")
+        elif not any(fnmatch.fnmatch(n, p) for p in _braces(cited) for n in repo_basenames()):
+            missing.append(f"{name} README line {lineno}: {cited}")
+    return missing
+
+
+@pytest.mark.parametrize("name", README_NAMES)
+def test_every_cited_path_exists(name):
+    assert len(cited_paths(readme_text(name))) >= 3, name
+    assert not missing_paths(name, readme_text(name))
+
+
+def test_a_path_that_does_not_exist_is_found():
+    text = readme_text("moe-train").replace("tests/test_compile.py", "tests/test_compiled.py")
+    assert missing_paths("moe-train", text) == [f"moe-train README line {_line('moe-train', 'tests/test_compile.py')}"
+                                                f": tests/test_compiled.py"]
+    assert missing_paths("moe-kernels", "see `bench/results/h200_nothing.json` and `explore_nothing.py`") == [
+        "moe-kernels README line 1: bench/results/h200_nothing.json", "moe-kernels README line 1: explore_nothing.py"]
+
+
+def _line(name: str, needle: str) -> int:
+    return next(i for i, line in enumerate(readme_text(name).splitlines(), 1) if needle in line)
+
+
+# ---------------------------------------------------------------- bench results and their numbers
+
+CITE = re.compile(r"((?:\.\./moe-train/|packages/[\w-]+/)?(?:bench/)?results/[\w.*{},-]+\.json|"
+                  r"(?<![\w/])(?:h100|h200|cpu)_[\w*{},.-]+\.json)")
+WITH_UNIT = re.compile(r"(?<![\w.])(\d{1,3}(?:,\d{3})+|\d+(?:\.\d+)?)(K\b| ?GiB\b| ?ms\b| TFLOP/s| TB/s| GB/s| µs|×)")
+NUMBER = re.compile(r"(?<![\w.])(\d{1,3}(?:,\d{3})+|\d+(?:\.\d+)?)(K\b)?")
+SCALES = (1, 1e3, 1e-3, 1e9, 1e12, 2**30, 0.01)  # as is, K, s -> ms, GB, TFLOP, GiB, fraction -> %
+
+# (README, number as written, text just before it) -> why it is not in the cited file
+NOT_FROM_FILE = {
+    ("moe-ckpt", "0.5", "page faults there cost ~"): "a first-touch estimate from the two async rows",
+    ("moe-ckpt", "24", "the 2-core / "): "the machine's memory",
+    ("moe-ckpt", "8", "4,000 tensors of "): "a tensor shape, 8×16",
+    ("moe-ckpt", "16", "4,000 tensors of 8×"): "a tensor shape, 8×16",
+    ("moe-ckpt", "2.3", "(index.json "): "the index's size, measured by hand",
+    ("moe-kernels", "71.8", "GPU busy 71.3 of "): "from the chrome trace (--trace), not kept in the JSON",
+    ("moe-kernels", "36", "the GEMMs ("): "from the same trace",
+    ("moe-kernels", "1.9", "per call in the profile, "): "from the same trace",
+    ("moe-kernels", "35.8", "in the GEMMs: 33.2 ms of a "): "the .txt profile's CUDA total / 3 calls",
+    ("moe-kernels", "595", "call, ~"): "FLOPs over the .txt profile's GEMM times",
+    ("moe-kernels", "2.6", "combine kernels take "): "the .txt profile's other kernels / 3 calls",
+    ("moe-kernels", "50", "nvidia-smi sampling every "): "the sampling interval",
+    ("moe-kernels", "32", "| grouped_mm | cooperative "): "a tile config in the header, 32×6",
+    ("moe-kernels", "64", "| cooperative 32×6 | cooperative "): "a tile config in the header, 64×3",
+    ("moe-parallel", "0.98", "peak 130.4 vs 105.5 GiB), e32 "): "ratio of the e32 files' tokens/s",
+    ("moe-parallel", "1.00", "vs 105.5 GiB), e32 0.98×, e8 "): "ratio of the e8 files' tokens/s",
+    ("moe-precision", "21", "the H100 rates mean ~"): "40 GB over the measured rates",
+    ("moe-train", "129", "took 100–102 ms for `none` and 121–"): "h200_bench_activation_checkpointing_recheck.json"
+                                                                " (the paragraph above)",
+    ("moe-train", "129", "a `full` step now takes 121–"): "the same file",
+    ("moe-train", "77.5", "against OLMo-core 3's compiled "): "a peer's number, from FACTS.md",
+    ("moe-train", "37.3", "compiled 77.5K / "): "a peer's number, from FACTS.md",
+    ("moe-train", "77.8", "(the recheck below reads "): "h200_bench_fine_grained_16d5dcc.json, cited below",
+    ("moe-train", "43.2", "the recheck below reads 77.8K / "): "h200_bench_fine_grained_16d5dcc.json, cited below",
+    ("moe-train", "2.80", "moe-precision `cast_weight`: "): "moe-precision's h100_cast_bandwidth.json",
+}
+
+
+# tables whose data a paragraph further up names for the whole section, by header row
+TABLE_DATA = {"moe-train": {  # "Earlier numbers": the section's `bench/results/h200_bench_*.json` at commit bef7006
+    "| preset | params | tokens/s | step | model TFLOP/s | MFU (989 peak) | peak memory | bf16 resident weights: "
+    "tokens/s, peak |": ["bench/results/h200_bench_fine_grained_e*{,_bf16}.json"]}}
+
+
+def _numbers_of(obj) -> list[float]:
+    out: list[float] = []
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, dict):
+            stack += o.values()
+        elif isinstance(o, list):
+            stack += o
+        elif isinstance(o, (int, float)) and not isinstance(o, bool):
+            out.append(float(o))
+        elif isinstance(o, str):  # a file's notes record numbers too ("47.6K tokens/s, 172 ms a step")
+            out += [float(m) for m in re.findall(r"\d+(?:\.\d+)?", o)]
+    return out
+
+
+@functools.cache
+def _file_numbers(path: Path) -> tuple[float, ...]:
+    return tuple(_numbers_of(json.loads(path.read_text())))
+
+
+def _decimals(s: str) -> int:
+    return len(s.split(".")[1]) if "." in s else 0
+
+
+def _in(x: float, d: int, values) -> bool:
+    tol = 0.5 * 10**-d + 1e-9
+    return any(abs(v / sc - x) <= tol for v in values for sc in SCALES)
+
+
+def _is_ratio(x: float, d: int, quoted: list[tuple[float, int]]) -> bool:
+    """x = a / b for two numbers a, b quoted beside it (each at its own rounding)."""
+    for a, da in quoted:
+        for b, db in quoted:
+            if a and b and a != b:
+                slack = 0.5 * 10**-d + (x * (0.5 * 10**-da / a + 0.5 * 10**-db / b))
+                if abs(a / b - x) <= slack + 1e-9:
+                    return True
+    return False
+
+
+def _paragraphs(text: str) -> list[tuple[int, str]]:
+    out, start, lines = [], 1, []
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            if not lines:
+                start = i
+            lines.append(line)
+        elif lines:
+            out.append((start, "\n".join(lines)))
+            lines = []
+    if lines:
+        out.append((start, "\n".join(lines)))
+    return out
+
+
+def result_files(name: str, cited: str) -> list[Path]:
+    c = cited if "/" in cited else f"bench/results/{cited}"
+    if c.startswith("results/"):
+        c = "bench/" + c
+    return [p for p in resolve(name, c) if p.suffix == ".json"]
+
+
+def unparsable_results(name: str, text: str) -> list[str]:
+    bad = []
+    for lineno, para in _paragraphs(text):
+        for cited in CITE.findall(para):
+            files = result_files(name, cited)
+            if not files:
+                bad.append(f"{name} README line {lineno}: {cited} does not exist")
+            for f in files:
+                try:
+                    json.loads(f.read_text())
+                except ValueError as e:
+                    bad.append(f"{name} README line {lineno}: {cited} does not parse: {e}")
+    return bad
+
+
+def numbers_not_in_results(name: str, text: str) -> list[str]:
+    paras = _paragraphs(text)
+    cites = [CITE.findall(p) for _, p in paras]
+    out = []
+    for i, (lineno, para) in enumerate(paras):
+        is_table = para.lstrip().startswith("|")
+        files = set(cites[i])
+        header = para.lstrip().splitlines()[0] if is_table else ""
+        if header in TABLE_DATA.get(name, {}):
+            files |= set(TABLE_DATA[name][header])
+        elif is_table:  # a table goes with the nearest paragraph above it in its section that names its data,
+            for j in range(i - 1, -1, -1):  # and with the one just below it
+                if paras[j][1].startswith("#"):
+                    break
+                if cites[j]:
+                    files |= set(cites[j])
+                    break
+            files |= set(cites[i + 1] if i + 1 < len(paras) else [])
+        if not files:
+            continue
+        values = [v for c in sorted(files) for f in result_files(name, c) for v in _file_numbers(f)]
+        if is_table:
+            rows = [(lineno + j, row) for j, row in enumerate(para.splitlines()) if row.startswith("|")][2:]
+            checks = []
+            for ln, row in rows:
+                offset = row.index("|", 1)  # past the first cell (the row's label)
+                found = [(m, ln, row) for m in NUMBER.finditer(row, offset)]
+                checks.append(found)
+        else:
+            checks = [[(m, lineno + para.count("\n", 0, m.start()), para) for m in WITH_UNIT.finditer(para)]]
+        for group in checks:
+            quoted = [(float(m.group(1).replace(",", "")) * (1000 if m.group(2) == "K" else 1),
+                       _decimals(m.group(1)) - (3 if m.group(2) == "K" else 0)) for m, _, _ in group]
+            for m, ln, src in group:
+                s = m.group(1)
+                x, d = float(s.replace(",", "")), _decimals(s)
+                if _in(x, d, values) or _is_ratio(x, d, quoted):
+                    continue
+                before = src[max(0, m.start() - 80): m.start()]
+                if any(key[0] == name and key[1] == s and before.replace("\n", " ").endswith(key[2])
+                       for key in NOT_FROM_FILE):
+                    continue
+                out.append(f"{name} README line {ln}: {s}{m.group(2) or ''} (after {before[-40:]!r}) is not in "
+                           f"{sorted(files)}")
+    return out
+
+
+@pytest.mark.parametrize("name", README_NAMES)
+def test_every_cited_result_parses(name):
+    assert not unparsable_results(name, readme_text(name))
+
+
+@pytest.mark.parametrize("name", README_NAMES)
+def test_numbers_beside_a_result_file_are_in_it(name):
+    assert not numbers_not_in_results(name, readme_text(name))
+
+
+def h100_table_errors(text: str) -> list[str]:
+    """moe-kernels' H100 table, cell by cell against its row of h100_moe_block_{a,b}.json (the loose check above
+    finds a number anywhere in the file; this table had three numbers rounded the wrong way that it let through)."""
+    results = ROOT / "packages/moe-kernels/bench/results"
+    rows = {(r["shape"], r["E"]): r for s in "ab" for r in json.loads((results / f"h100_moe_block_{s}.json")
+                                                                        .read_text())["rows"]}
+    errors = []
+    for m in re.finditer(r"^\| ([ab]) \| (\d+) \| (\d+) / (\d+) \| (\d+) / (\d+) \| (\d+) / (\d+) \|", text, re.M):
+        row = rows[(m.group(1), int(m.group(2)))]
+        want = [round(row[k][t]) for k in ("ours", "torch_grouped_mm", "dense")
+                for t in ("tflops", "tflops_back_to_back")]
+        if [int(g) for g in m.groups()[2:]] != want:
+            errors.append(f"({m.group(1)}) E={m.group(2)}: README {list(map(int, m.groups()[2:]))}, file {want}")
+    return errors if len(re.findall(r"^\| [ab] \| \d+ \| \d+ / ", text, re.M)) == 4 else ["table not found"]
+
+
+def test_moe_kernels_h100_table_is_its_files_rows():
+    assert not h100_table_errors(readme_text("moe-kernels"))
+    assert h100_table_errors(readme_text("moe-kernels").replace("| 559 / 560 |", "| 559 / 561 |"))
+
+
+def test_every_number_listed_as_not_from_a_file_is_still_in_its_readme():
+    flat = {n: readme_text(n).replace("\n", " ") for n in README_NAMES}
+    assert not [key for key in NOT_FROM_FILE if key[2] + key[1] not in flat[key[0]]]
+
+
+def test_a_number_that_is_not_in_its_file_is_found():
+    text = readme_text("moe-train").replace("| `mlp` | 68.5K |", "| `mlp` | 68.9K |")
+    assert [m.split(" (after")[0] for m in numbers_not_in_results("moe-train", text)] == [
+        f"moe-train README line {_line('moe-train', '| `mlp` | 68.5K |')}: 68.9K"]
+    text = readme_text("moe-precision").replace("**2.80 TB/s", "**2.90 TB/s")
+    assert len(numbers_not_in_results("moe-precision", text)) == 1
+    assert unparsable_results("moe-train", "see `bench/results/h200_missing.json`") == [
+        "moe-train README line 1: bench/results/h200_missing.json does not exist"]
+
+
+def test_a_result_file_that_does_not_parse_is_found(tmp_path, monkeypatch):
+    bad = tmp_path / "packages" / "moe-train" / "bench" / "results" / "h200_x.json"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("{not json")
+    (tmp_path / "packages" / "moe-train" / "README.md").write_text("x")
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    assert "does not parse" in unparsable_results("moe-train", "`bench/results/h200_x.json`")[0]
+
+
+# ---------------------------------------------------------------- the command line
+
+PLACEHOLDER = re.compile(r"[A-Z][A-Z_]*|\d+\.\.\d+|.*\|.*")
+
+
+def _inline_spans(text: str) -> list[tuple[int, str]]:
+    """(line, text) of every `code span` outside fenced blocks; a span may run over a line break."""
+    prose = re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
+    return [(prose.count("\n", 0, m.start()) + 1, m.group(1).replace("\n", " "))
+            for m in re.finditer(r"`([^`]+)`", prose)]
+
+
+def _commands(text: str) -> list[tuple[int, list[str]]]:
+    """(line, argv after `moe-train`) for every moe-train command in bash blocks, indented blocks and inline code."""
+    out = []
+    lines = text.splitlines()
+    i = 0
+    fence = None
+    while i < len(lines):
+        line, start = lines[i], i + 1
+        if line.startswith("```"):
+            fence = line.strip() if fence is None else None
+            i += 1
+            continue
+        if fence == "```bash" or (fence is None and line.startswith("    ")):
+            while line.endswith("\\") and i + 1 < len(lines):
+                i += 1
+                line = line[:-1] + " " + lines[i]
+            out += [(start, cmd) for cmd in _argvs(line.split(" #")[0])]
+        i += 1
+    return sorted(out + [(ln, cmd) for ln, span in _inline_spans(text) for cmd in _argvs(span)])
+
+
+def _argvs(s: str) -> list[list[str]]:
+    try:
+        words = shlex.split(s)
+    except ValueError:
+        return []
+    for j, w in enumerate(words):
+        if (w == "moe-train" or (w == "moe_train" and j and words[j - 1] == "-m")) and j + 1 < len(words):
+            argv = words[j + 1:]
+            if argv[0] in ("train", "info", "bench", "inspect", "export-hf", "import-hf", "prepare-data", "--version"):
+                # `--dtype bf16|fp16|fp32`: one command per choice
+                alts = [w for w in argv if "|" in w]
+                if alts:
+                    return [[x if x != alts[0] else choice for x in argv] for choice in alts[0].split("|")]
+                return [[("4" if re.fullmatch(r"\d+\.\.\d+", w) else w) for w in argv]]
+    return []
+
+
+@functools.cache
+def _parser():
+    """moe_train.cli's parser, built once (each parse leaves it as it was)."""
+    from moe_train import cli
+
+    return cli._parser()
+
+
+def cli_errors(text: str) -> list[str]:
+    from moe_train.cli import _refuse_unread_by_bench, expand_aliases
+    from moe_train.config_io import _field_annotation, parse_overrides, read_override, set_field
+    from moe_train.presets import get_preset
+
+    errors = []
+    for lineno, argv in _commands(text):
+        where = f"line {lineno}: moe-train {' '.join(argv)}"
+        if argv == ["--version"]:  # parsing it prints the versions and exits
+            continue
+        try:
+            args, rest = _parser().parse_known_args(argv)
+        except SystemExit:
+            errors.append(f"{where}: refused by the parser")
+            continue
+        try:
+            if args.command in ("train", "info", "bench"):
+                overrides = parse_overrides(expand_aliases(rest))
+                if args.command == "bench":
+                    _refuse_unread_by_bench(overrides)
+                preset = args.preset if args.preset and not PLACEHOLDER.fullmatch(args.preset) else "tiny"
+                cfg = get_preset(preset)
+                for key, value in overrides.items():
+                    if PLACEHOLDER.fullmatch(value):
+                        if _field_annotation(key) is None:
+                            raise ValueError(f"unknown config key {key!r}")
+                    else:
+                        set_field(cfg, key, read_override(key, value))
+            elif rest:
+                raise ValueError(f"unknown arguments {rest}")
+        except ValueError as e:
+            errors.append(f"{where}: {e}")
+    return errors
+
+
+# flags of other scripts a README shows, and an option shown as refused
+NOT_MOE_TRAIN_FLAGS = {"--nproc-per-node", "--repeated-long-words", "--pre"}
+
+
+def flag_errors(text: str) -> list[str]:
+    from moe_train.cli import ALIASES, SHORT_KEYS
+    from moe_train.config_io import _field_annotation
+
+    parser = _parser()
+    options = {o for a in parser._actions for o in a.option_strings}
+    for sub in parser._subparsers._group_actions[0].choices.values():
+        options |= {o for a in sub._actions for o in a.option_strings}
+    errors = []
+    for lineno, span in _inline_spans(text):
+        for flag in re.findall(r"(?<![\w-])(--[\w.-]+)", span):
+            if flag in NOT_MOE_TRAIN_FLAGS or flag in options or flag in ALIASES or flag in SHORT_KEYS:
+                continue
+            if "." in flag and _field_annotation(flag[2:]) is not None:
+                continue
+            errors.append(f"line {lineno}: {flag}")
+    return errors
+
+
+@pytest.mark.parametrize("name", ["root", "moe-train", "moe-ckpt", "moe-parallel"])
+def test_every_moe_train_command_parses(name):
+    commands = _commands(readme_text(name))
+    assert name not in ("root", "moe-train") or len(commands) >= 10
+    assert not cli_errors(readme_text(name))
+
+
+@pytest.mark.parametrize("name", ["root", "moe-train"])
+def test_every_flag_shown_is_an_option_or_a_field(name):
+    assert not flag_errors(readme_text(name))
+
+
+def test_a_command_the_parser_refuses_is_found():
+    assert cli_errors("`moe-train export-hf runs/a out --dtyp fp16`")[0].startswith("line 1")
+    assert "unknown config key" in cli_errors("```bash\nuv run moe-train train --model.num_expert=4\n```")[0]
+    assert cli_errors("    torchrun -m moe_train info --preset olmo3-bench-e7")  # no such preset
+    assert cli_errors("`moe-train bench --train.steps=3`")  # bench refuses it
+    assert cli_errors("`moe-train train --train.compile=maybe`")  # a value the field refuses
+    assert cli_errors("`moe-train prepare-data x --out d --vocab 5`")
+    assert not cli_errors("`moe-train export-hf a b --dtype bf16|fp16|fp32` `moe-train bench --steps 4..10`")
+    assert flag_errors("`--train.nothing=1` `--max-shard-byte`") == ["line 1: --train.nothing=1"[:-2],
+                                                                      "line 1: --max-shard-byte"]
+
+
+# ---------------------------------------------------------------- config fields, presets, defaults
+
+FIELD = re.compile(r"(?<![\w./])(model|data|train|parallel)\.([a-z_]\w*(?:\.[a-z_]\w*)*)(?:=([^\s`),;:]+))?")
+NOT_FIELDS = re.compile(r"(model\.(layers|safetensors|embed_tokens|norm|lm_head|zero_grad|named_parameters|"
+                        r"state_dict|load_state_dict|to|half|double)\b|train\.u32|data\.json)")
+# values the README shows as refused
+REFUSED_VALUES = {"model.dense_layers=0"}
+# `x=value` in moe-train's README whose x is not a config field
+NOT_A_FIELD = {"strategy", "c", "dp", "ep", "T", "E", "k"}
+
+
+def _field_names() -> set[str]:
+    from moe_train.config import Config
+
+    names, stack = set(), [Config()]
+    while stack:
+        obj = stack.pop()
+        for f in dataclasses.fields(obj):
+            names.add(f.name)
+            if dataclasses.is_dataclass(getattr(obj, f.name)):
+                stack.append(getattr(obj, f.name))
+    return names
+
+
+def field_errors(text: str) -> list[str]:
+    from moe_train.config_io import _field_annotation, read_override, set_field
+    from moe_train.presets import get_preset
+
+    errors = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        for m in FIELD.finditer(line):
+            if NOT_FIELDS.match(m.group(0)) or line[m.end(2): m.end(2) + 1] == "(":
+                continue
+            key = f"{m.group(1)}.{m.group(2)}"
+            if _field_annotation(key) is None:
+                errors.append(f"line {lineno}: {key}")
+            elif m.group(3) and not PLACEHOLDER.fullmatch(m.group(3)) and m.group(3)[0] not in "{[" and \
+                    m.group(0) not in REFUSED_VALUES:
+                value = m.group(3).strip("'\"")
+                try:
+                    set_field(get_preset("tiny"), key, read_override(key, value))
+                except ValueError as e:
+                    errors.append(f"line {lineno}: {key}={value}: {e}")
+    return errors
+
+
+def bare_field_errors(text: str) -> list[str]:
+    fields = _field_names()
+    return [f"line {lineno}: {m.group(1)}" for lineno, line in enumerate(text.splitlines(), 1)
+            for span in re.findall(r"`([^`]+)`", line)
+            for m in re.finditer(r"(?<![\w.\[-])([a-z_][a-z_0-9]*)=", span)
+            if m.group(1) not in fields and m.group(1) not in NOT_A_FIELD]
+
+
+def preset_errors(text: str) -> list[str]:
+    from moe_train.presets import PRESETS
+
+    named = set(re.findall(r"(?<![\w-])((?:olmo3-bench|fine-grained)-e\d+)\b", text))
+    for stem, alts in re.findall(r"(olmo3-bench|fine-grained)-e\{([\d,]+)\}", text):
+        named |= {f"{stem}-e{a}" for a in alts.split(",")}
+    named |= set(re.findall(r"--preset[ =]([\w-]+)", text)) - {"P"}
+    return sorted(n for n in named if n not in PRESETS)
+
+
+@pytest.mark.parametrize("name", ["root", "moe-train", "moe-ckpt", "moe-parallel"])
+def test_every_config_field_named_exists(name):
+    assert not field_errors(readme_text(name))
+
+
+def test_every_field_set_with_a_value_in_prose_exists():
+    assert not bare_field_errors(readme_text("moe-train"))
+
+
+@pytest.mark.parametrize("name", README_NAMES)
+def test_every_preset_named_exists(name):
+    assert not preset_errors(readme_text(name))
+
+
+def test_a_field_or_preset_that_does_not_exist_is_found():
+    assert field_errors("`train.lr_decay` and `model.router.routing=random`") == ["line 1: train.lr_decay"]
+    assert field_errors("`--model.router.top_k=x`")[0].startswith("line 1: model.router.top_k=x: ")
+    assert not field_errors("`--model.dense_layers=0` is refused")  # shown as refused: REFUSED_VALUES
+    assert field_errors("`--model.dense_layers=1`")
+    assert bare_field_errors("`top_k=1` and `normalise_top_k=true`") == ["line 1: normalise_top_k"]
+    assert preset_errors("`fine-grained-e{8,16}` and `--preset tinyest`") == ["fine-grained-e16", "tinyest"]
+
+
+# (README, phrase that states it, dotted field or callable, the value) -- the phrase must still be in the README
+DEFAULTS = [
+    ("root", "the `tiny` preset (a 4-layer MoE, 8 experts, top-2)", "tiny:model.num_layers", 4),
+    ("root", "the `tiny` preset (a 4-layer MoE, 8 experts, top-2)", "tiny:model.num_experts", 8),
+    ("root", "the `tiny` preset (a 4-layer MoE, 8 experts, top-2)", "tiny:model.router.top_k", 2),
+    ("root", "writes `runs/default/metrics.jsonl`", "train.run_dir", "runs/default"),
+    ("root", "(every 100\nsteps and at the last)", "train.save_interval", 100),
+    ("root", "`--resume` is the default", "train.resume", True),
+    ("root", "300 steps of\n2,048 tokens, 7 evals", "tiny:train.steps", 300),
+    ("root", "300 steps of\n2,048 tokens, 7 evals", "tiny:tokens_per_step", 2048),
+    ("root", "300 steps of\n2,048 tokens, 7 evals", "tiny:evals", 7),
+    ("moe-train", "300 steps of 2,048 tokens, 7 evals", "tiny:evals", 7),
+    ("root", "the tiny preset's is 2,048", "tiny:model.vocab_size", 2048),
+    ("root", "prepare-data's BPE is 4,096", "PREPARE_VOCAB_SIZE", 4096),
+    ("root", "over the last 20% of the steps", "train.lr_decay_fraction", 0.2),
+    ("moe-train", "0.2 by default", "train.lr_decay_fraction", 0.2),
+    ("moe-train", "`cosine`\n(the default)", "train.lr_schedule", "cosine"),
+    ("moe-train", "`normalize_top_k=true` (the default)", "model.router.normalize_top_k", True),
+    ("moe-train", "the default 1.0 skips the multiply", "model.router.routed_scaling_factor", 1.0),
+    ("moe-train", "off by default, adding no parameter", "model.shared_expert_gate", False),
+    ("moe-train", "`parallel.collective_timeout_s` (default 1800)", "parallel.collective_timeout_s", 1800),
+    ("moe-train", "| `none` (default) |", "train.activation_checkpointing", "none"),
+    ("moe-train", "`--train.compile=true` (default false)", "train.compile", False),
+    ("moe-train", "bf16 (default), fp16 or fp32", "export-hf --dtype", "bf16"),
+    ("moe-train", "plain fp32 weights (LocalRuntime) by default", "parallel.param_dtype", "fp32"),
+    ("moe-train", "`train.lr_schedule`, each shape reaching", "train.lr_schedule", "cosine"),
+    ("moe-ckpt", "The export dtype is `bf16` (the default)", "export-hf --dtype", "bf16"),
+]
+
+
+def _default(what: str):
+    from moe_train.cli_commands import PREPARE_VOCAB_SIZE
+    from moe_train.config import Config
+    from moe_train.presets import get_preset
+
+    if what == "PREPARE_VOCAB_SIZE":
+        return PREPARE_VOCAB_SIZE
+    if what == "export-hf --dtype":
+        return _parser().parse_args(["export-hf", "a", "b"]).dtype
+    cfg = Config()
+    if what.startswith("tiny:"):
+        what, cfg = what[5:], get_preset("tiny")
+        if what == "tokens_per_step":
+            return cfg.data.seq_len * cfg.train.micro_batch_size * cfg.train.grad_accum
+        if what == "evals":  # at step 0 and every eval_interval steps, the last included
+            return 1 + cfg.train.steps // cfg.train.eval_interval
+    obj = cfg
+    for part in what.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def default_errors(texts: dict[str, str]) -> list[str]:
+    errors = []
+    for name, phrase, what, value in DEFAULTS:
+        if phrase not in texts[name]:
+            errors.append(f"{name} README no longer says {phrase!r}: update DEFAULTS")
+        elif _default(what) != value:
+            errors.append(f"{name} README says {phrase!r}: {what} is {_default(what)!r}, not {value!r}")
+    return errors
+
+
+def test_documented_defaults_are_the_code_defaults():
+    assert not default_errors({n: readme_text(n) for n in README_NAMES})
+
+
+def test_a_wrong_default_is_found(monkeypatch):
+    from moe_train import config
+
+    texts = {n: readme_text(n) for n in README_NAMES}
+    monkeypatch.setattr(config.TrainConfig, "__init__", _with_default(config.TrainConfig, "save_interval", 50))
+    assert default_errors(texts) == ["root README says '(every 100\\nsteps and at the last)': train.save_interval "
+                                     "is 50, not 100"]
+    texts["moe-train"] = texts["moe-train"].replace("(default 1800)", "(default 600)")
+    assert any("no longer says" in e for e in default_errors(texts))
+
+
+def _with_default(cls, name, value):
+    init = cls.__init__
+
+    def __init__(self, *a, **k):
+        k.setdefault(name, value)
+        init(self, *a, **k)
+    return __init__
+
+
+def message_errors(text: str) -> list[str]:
+    """The config section's examples: its quoted error line is the real one, `bench` refuses the fields it lists."""
+    from moe_train.cli import BENCH_UNREAD
+    from moe_train.config_io import build_config
+
+    errors = []
+    m = re.search(r"`moe-train: error: (model\.router\.top_k=(\d+)): ([^`]+)`", text)
+    try:
+        build_config("tiny", None, {"model.router.top_k": m.group(2)})
+        errors.append(f"{m.group(1)} is accepted")
+    except ValueError as e:
+        if str(e) != f"{m.group(1)}: {m.group(3)}":
+            errors.append(f"the README quotes {m.group(1)}: {m.group(3)!r}; the code says {str(e)!r}")
+    m = re.search(r"`bench` refuses\s+(.*?)\(it starts from a random init\)", text, re.S)
+    listed = tuple(re.findall(r"`--(train\.\w+)`", m.group(1)))
+    if sorted(listed) != sorted(BENCH_UNREAD):
+        errors.append(f"the README says bench refuses {listed}; it refuses {BENCH_UNREAD}")
+    if build_config("tiny", None, {"model.head_dim": "~"}).model.head_dim is not None:
+        errors.append("--model.head_dim=~ is not null")
+    return errors
+
+
+def test_documented_config_messages_are_the_code_messages():
+    assert not message_errors(readme_text("moe-train"))
+
+
+def test_a_wrong_documented_message_is_found():
+    text = readme_text("moe-train")
+    assert message_errors(text.replace("top_k <= model.num_experts=8`", "top_k <= num_experts`"))
+    assert message_errors(text.replace("`--train.save_interval` (it", "(it"))
+
+
+# ---------------------------------------------------------------- public API
+
+def import_errors(name: str, text: str) -> list[str]:
+    errors = []
+    for m in re.finditer(r"from (moe_\w+(?:\.\w+)*) import (?:\(([^)]*)\)|([^\n]*))", text):
+        lineno = text.count("\n", 0, m.start()) + 1
+        mod = importlib.import_module(m.group(1))
+        names = (m.group(2) or m.group(3)).split("#")[0].replace("\n", " ").split(",")
+        for n in [x.strip() for x in names if x.strip()]:
+            n = n.split()[0]
+            public = getattr(mod, "__all__", None) if "." not in m.group(1) else None
+            if not hasattr(mod, n) or (public is not None and n not in public):
+                errors.append(f"line {lineno}: {n} from {m.group(1)}")
+    for m in re.finditer(r"(?<![\w.])(moe_(?:kernels|parallel|precision|ckpt|train)(?:\.\w+)+)", text):
+        dotted = m.group(1)
+        if dotted == "moe_ckpt.format_version":  # a key of old metadata.json files, as the README says
+            continue
+        if not _resolves(dotted):
+            errors.append(f"line {text.count(chr(10), 0, m.start()) + 1}: {dotted}")
+    return errors
+
+
+def _resolves(dotted: str) -> bool:
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for j, part in enumerate(parts[i:]):
+            if not hasattr(obj, part):
+                return False
+            if i == 1 and j == 0 and part not in getattr(obj, "__all__", [part]) and not \
+                    importlib.util.find_spec(f"{parts[0]}.{part}"):
+                return False  # moe_x.Name: a top-level name is public only through __all__
+            obj = getattr(obj, part)
+        return True
+    return False
+
+
+def unmentioned(pkg: str, text: str) -> list[str]:
+    public = importlib.import_module(MODULE[pkg]).__all__
+    return [n for n in public if not re.search(rf"(?<!\w){re.escape(n)}(?!\w)", text)]
+
+
+@pytest.mark.parametrize("name", README_NAMES)
+def test_every_imported_or_named_api_exists(name):
+    assert not import_errors(name, readme_text(name))
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_every_public_name_is_in_its_readme(pkg):
+    assert not unmentioned(pkg, readme_text(pkg))
+
+
+def test_a_missing_or_unexported_name_is_found():
+    assert import_errors("moe-kernels", "from moe_kernels import (permute,\n    no_such_op)") == [
+        "line 1: no_such_op from moe_kernels"]
+    assert import_errors("moe-parallel", "`moe_parallel.no_such.Thing` and `moe_kernels.AllToAllDispatcher`") == [
+        "line 1: moe_parallel.no_such.Thing"]
+    text = readme_text("moe-precision").replace("PLANNED_RECIPES", "planned recipes")
+    assert unmentioned("moe-precision", text) == ["PLANNED_RECIPES"]
+
+
+# ---------------------------------------------------------------- versions and changelogs
+
+def _pyproject(pkg: str) -> dict:
+    return tomllib.loads((ROOT / "packages" / pkg / "pyproject.toml").read_text())
+
+
+def version_errors(texts: dict[str, str], changelogs: dict[str, str]) -> list[str]:
+    versions = {p: _pyproject(p)["project"]["version"] for p in PACKAGES}
+    errors = []
+    for pkg in PACKAGES:
+        for dep in _pyproject(pkg)["project"]["dependencies"]:
+            m = re.fullmatch(r"(moe-[\w-]+)==(\S+)", dep)
+            if m and versions[m.group(1)] != m.group(2):
+                errors.append(f"{pkg} pins {dep}; {m.group(1)} is {versions[m.group(1)]}")
+        top = re.search(r"^## (\S+)", changelogs[pkg], re.M)
+        if not top or top.group(1) != versions[pkg]:
+            errors.append(f"{pkg} CHANGELOG's newest entry is {top and top.group(1)}, the package is {versions[pkg]}")
+    key = lambda v: tuple(int(x) for x in v.split("."))  # noqa: E731
+    for name, text in texts.items():
+        mentions = [(m.group(1), m.group(2)) for m in re.finditer(r"(moe-(?:kernels|parallel|precision|ckpt|train))"
+                                                                  r" (\d+\.\d+(?:\.\d+)?)\b", text)]
+        if name != "root":  # a package's README: a bare version ("since 0.16.0", "at 0.9.5") is its own
+            mentions += [(name, v) for v in re.findall(r"(?:since|at|with|before|Before|from|in) (\d+\.\d+\.\d+)\b",
+                                                       text)]
+        for pkg, v in mentions:
+            if key(v) > key(versions[pkg]):
+                errors.append(f"{name} README names {pkg} {v}; it is at {versions[pkg]}")
+    return errors
+
+
+def _changelogs() -> dict[str, str]:
+    return {p: (ROOT / "packages" / p / "CHANGELOG.md").read_text() for p in PACKAGES}
+
+
+def test_versions_pins_and_changelogs_agree():
+    assert not version_errors({n: readme_text(n) for n in README_NAMES}, _changelogs())
+
+
+def test_a_version_disagreement_is_found():
+    texts = {n: readme_text(n) for n in README_NAMES}
+    texts["root"] += "\nmoe-kernels 0.99.0 did it"
+    changelogs = _changelogs()
+    changelogs["moe-ckpt"] = changelogs["moe-ckpt"].replace("## ", "## 9.9.9\n\n## ", 1)
+    errors = version_errors(texts, changelogs)
+    assert len(errors) == 2 and "moe-kernels 0.99.0" in errors[1] and "9.9.9" in errors[0]
