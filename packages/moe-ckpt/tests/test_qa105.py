@@ -56,10 +56,10 @@ from pathlib import Path
 import pytest
 import torch
 from ckpt_cases import bits_equal, make_state, shards_for
-from fs_faults import Faults, Interrupted
+from fs_faults import Faults, Interrupted, memory_folder
 
 from moe_ckpt import (
-    AsyncCheckpointer, CheckpointError, CorruptMetadataError, IncompleteCheckpointError, MissingShardFileError,
+    AsyncCheckpointer, CorruptMetadataError, IncompleteCheckpointError, MissingShardFileError,
     find_latest, inspect_checkpoint, list_checkpoints, load_checkpoint, load_metadata, open_checkpoint,
     save_checkpoint, step_dir, verify_checkpoint,
 )
@@ -155,16 +155,9 @@ def _retry_and_check(root: Path, how: str, committed: bool, where: str) -> None:
 
 @pytest.fixture(scope="module")
 def fast_dir(tmp_path_factory):
-    """A folder in memory (tmpfs) where there is one: some 1,000 saves, each of 8 fsyncs, take ~30 s on disk."""
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        import tempfile
-
-        path = Path(tempfile.mkdtemp(prefix="qa105-", dir=shm))
+    """A folder in memory where there is one: some 1,000 saves, each of 8 fsyncs, take ~30 s on disk."""
+    with memory_folder(tmp_path_factory.mktemp("qa105"), "qa105-") as path:
         yield path
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        yield tmp_path_factory.mktemp("qa105")
 
 
 @pytest.fixture(scope="module")
