@@ -69,6 +69,23 @@ def test_a_failed_construction_releases_the_lock(tmp_path, data_dir, make_config
     RunFolderLock(tmp_path / "run").release()
 
 
+def test_a_refused_run_removes_the_run_folder_it_made_and_keeps_one_that_was_there(tmp_path, data_dir, make_config):
+    """A run refused before it wrote anything (train.init_from names nothing) left a new run folder holding only
+    .lock; the folder is removed now. A folder that existed before the run is kept as it was."""
+    for existed in (False, True):
+        cfg = make_config(tmp_path / str(existed), steps=1, eval_interval=0, save_interval=0,
+                          init_from=str(tmp_path / "missing"))
+        cfg.data.path = str(data_dir)
+        run = Path(cfg.train.run_dir)
+        if existed:
+            run.mkdir(parents=True)
+        with pytest.raises(Exception, match="does not exist"):
+            Trainer(cfg).train()
+        assert run.exists() == existed, existed
+    # a lock a later job takes in the same place works as before
+    RunFolderLock(tmp_path / "False" / "run").release()
+
+
 def test_every_rank_of_a_job_into_a_busy_folder_raises(tmp_path, data_dir):
     run_dir = tmp_path / "run"
     proc = _hold_in_another_process(run_dir)

@@ -33,6 +33,7 @@ class RunFolderLock:
         import fcntl
 
         self.path = Path(run_dir) / LOCK_NAME
+        self.created_folder = not self.path.parent.exists()  # this job made the run folder (release may remove it)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a+")  # noqa: SIM115 - held open for the job's life: the lock lives with it
@@ -59,6 +60,18 @@ class RunFolderLock:
         self._file.flush()
 
     def release(self) -> None:
-        """Drop the lock (closing the file drops it); idempotent."""
-        if not self._file.closed:
-            self._file.close()
+        """Drop the lock (closing the file drops it); idempotent. A run folder this job created and left holding only
+        the lock file (a run refused before it wrote anything) is removed: the file is unlinked while the lock is
+        still held, so a job that opened it meanwhile fails to lock it instead of sharing the folder."""
+        if self._file.closed:
+            return
+        folder = self.path.parent
+        unused = self.created_folder and sorted(os.listdir(folder)) == [LOCK_NAME]
+        if unused:
+            os.unlink(self.path)
+        self._file.close()
+        if unused:
+            try:
+                folder.rmdir()
+            except OSError:  # another job has just made something there: the folder is its now
+                pass
