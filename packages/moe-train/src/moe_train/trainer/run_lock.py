@@ -5,8 +5,9 @@ saving the same step, commit a checkpoint whose shard files the other job then o
 ranks of a save share only a barrier and the file system, so moe-ckpt cannot tell its folder from
 another job's). The lock is an advisory `flock` on an open file: the kernel drops it when the
 holding process exits, however it exits, so a killed job never leaves a stale lock behind. The
-file itself stays (removing a lock file races with a job that has just opened it); it holds the
-host, pid and start time of the job that last took it, for the error message.
+file itself stays (removing it after the lock is dropped races with a job that has just opened it;
+only a folder this job created and left with nothing but the lock file goes, unlinked while still
+held); it holds the host, pid and start time of the job that last took it, for the error message.
 """
 
 from __future__ import annotations
