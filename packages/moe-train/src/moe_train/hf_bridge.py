@@ -79,12 +79,20 @@ class _OpenFilesSource:
         self._files.__exit__(*exc)
 
 
+def hugging_face_model_type(path: Path) -> str | None:
+    """The model_type of a Hugging Face model folder (a config.json with one and no 'model' section), else None."""
+    try:
+        hf_config = read_json_object(path / "config.json")
+    except (OSError, HFConversionError):
+        return None
+    return str(hf_config["model_type"]) if "model_type" in hf_config and "model" not in hf_config else None
+
+
 def _hugging_face_folder_hint(path: Path) -> str:
-    """The way on when `path` is a Hugging Face folder (its config.json names a model_type), else ''."""
-    with contextlib.suppress(OSError, ValueError, TypeError):
-        if "model_type" in json.loads((path / "config.json").read_text()):
-            return "; it is a Hugging Face folder: import-hf brings it to moe-train's names first"
-    return ""
+    """The way on when `path` is a Hugging Face folder, else ''."""
+    if hugging_face_model_type(path) is None:
+        return ""
+    return "; it is a Hugging Face folder: import-hf brings it to moe-train's names first"
 
 
 def _safetensors_reader(path: Path) -> tuple[dict[str, Any], TensorSource] | None:

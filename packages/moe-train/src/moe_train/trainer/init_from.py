@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from moe_ckpt import CheckpointError, fail_together, inspect_checkpoint, step_of
-from moe_ckpt.hf import HFConversionError, read_json_object
+from moe_ckpt.hf import HFConversionError
 from moe_train.config import Config, ConfigError
 from moe_train.trainer import checkpoint as ckpt
 from moe_train.trainer import resume_checks
@@ -27,7 +27,8 @@ from moe_train.trainer.runtime import CheckpointShard, Runtime, Slice
 def check_init_source(cfg: Config) -> Path:
     """The checkpoint train.init_from names, checked before the run starts (its files are read only when the
     weights are loaded): a layout we read, and weights of this run's network."""
-    from moe_train.hf_bridge import stored_config  # hf_bridge imports the trainer's checkpoint module
+    # hf_bridge imports the trainer's checkpoint module: imported here, not at the top
+    from moe_train.hf_bridge import hugging_face_model_type, stored_config
 
     given = cfg.train.init_from
     source = Path(given)  # a `~` was expanded by build_config, as in train.run_dir
@@ -38,7 +39,7 @@ def check_init_source(cfg: Config) -> Path:
     try:
         stored = stored_config(path)
     except (CheckpointError, HFConversionError, ConfigError) as e:
-        model_type = _hugging_face_model_type(path)
+        model_type = hugging_face_model_type(path)
         if model_type is not None:  # the folder import-hf reads, given in place of what it writes
             raise ConfigError(f"train.init_from={given!r} is a Hugging Face model folder (config.json model_type="
                               f"{model_type!r}), not ours: convert it first with `moe-train import-hf {given} OUT`, "
@@ -71,15 +72,6 @@ def warn_if_another_tokenizer(source: Path, data_dir: Path, data_tokenizer: str)
                       f"the data folder {str(data_dir)!r} was tokenized by another: the model reads its token ids as "
                       f"other text; tokenize the data with the model's (moe-train prepare-data --tokenizer {theirs} "
                       "--out DIR, then --data.path=DIR)", stacklevel=3)
-
-
-def _hugging_face_model_type(path: Path) -> str | None:
-    """The model_type of a Hugging Face model folder (a config.json with one and no 'model' section), else None."""
-    try:
-        hf_config = read_json_object(path / "config.json")
-    except (OSError, HFConversionError):
-        return None
-    return str(hf_config["model_type"]) if "model_type" in hf_config and "model" not in hf_config else None
 
 
 def load_initial_weights(path: Path, runtime: Runtime, model: nn.Module) -> None:
