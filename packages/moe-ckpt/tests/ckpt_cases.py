@@ -130,3 +130,12 @@ def edit_header(path, key: str, **fields) -> None:
     head = json.dumps(header).encode()
     head += b" " * (-len(head) % 8)
     path.write_bytes(struct.pack("<Q", len(head)) + head + raw[8 + n :])
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a test's process group."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

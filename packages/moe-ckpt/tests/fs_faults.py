@@ -1,6 +1,13 @@
 """A fault injector for file-system operations (QA 105): wraps, in process, the calls a checkpoint save makes and
 makes the i-th one fail as the real call would. Used by moe-ckpt's tests/test_qa105.py and moe-train's (which loads
-this file by path: it imports nothing from the tests)."""
+this file by path: it imports nothing from the tests).
+
+Faults(root, reads=True) also counts (and fails) what a load calls (QA 109): os.stat / os.lstat (Path.exists,
+is_file, is_dir, is_symlink, stat), os.fstat of a file it opened, read / readinto / readline of a file opened to
+read, and safetensors' safe_open as moe_ckpt.load calls it (it opens and maps the file in Rust: its fault is raised
+at the call, as safetensors raises an I/O error, an OSError with neither errno nor file name). Reads of a mapped
+shard's bytes (get_slice, get_tensor) are page faults in Rust, not calls: an I/O error there is SIGBUS, which
+no injector in process can raise."""
 
 from __future__ import annotations
 
@@ -21,16 +28,19 @@ class Interrupted(BaseException):
 _REAL = {"open": builtins.open, "os.open": os.open, "os.close": os.close, "os.fsync": os.fsync,
          "os.fdatasync": os.fdatasync, "os.replace": os.replace, "os.rename": os.rename, "os.remove": os.remove,
          "os.unlink": os.unlink, "os.rmdir": os.rmdir, "os.mkdir": os.mkdir, "os.listdir": os.listdir,
-         "os.scandir": os.scandir, "shutil.rmtree": shutil.rmtree}
+         "os.scandir": os.scandir, "os.stat": os.stat, "os.lstat": os.lstat, "os.fstat": os.fstat,
+         "shutil.rmtree": shutil.rmtree}
 
 
 class Faults:
     """Counts the file-system operations on paths under `root` and makes operation `fail_at` (1-based) fail.
 
-    kind: "ENOSPC" or "EIO" (an OSError as the real call raises it) or "interrupt" (Interrupted)."""
+    kind: "ENOSPC" or "EIO" (an OSError as the real call raises it) or "interrupt" (Interrupted).
+    reads: also count the calls that only read (stat, fstat, file reads, safe_open); off, a save's count is QA 105's."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, reads: bool = False) -> None:
         self.root = str(root)
+        self.reads = reads
         self.fail_at: int | None = None
         self.kind = "ENOSPC"
         self.ops: list[tuple[str, str]] = []  # (operation, path relative to root)
@@ -44,7 +54,8 @@ class Faults:
         p = os.path.abspath(os.fsdecode(path))
         return p if p == self.root or p.startswith(self.root + os.sep) else None
 
-    def _hit(self, op: str, path: str, names_path: bool = True, path2: str | None = None) -> bool:
+    def _hit(self, op: str, path: str, names_path: bool = True, path2: str | None = None,
+             rust: bool = False) -> bool:
         """Count one operation; raise its fault if it is the one to fail. True: a fault the caller swallows."""
         self.ops.append((op, os.path.relpath(path, self.root)))
         if len(self.ops) != self.fail_at:
@@ -55,9 +66,16 @@ class Faults:
         if self.kind == "interrupt":
             raise Interrupted(f"interrupted in {op}")
         code = errno.ENOSPC if self.kind == "ENOSPC" else errno.EIO
+        if rust:  # safetensors turns Rust's io::Error into an OSError of its message alone
+            raise OSError(f"{os.strerror(code)} (os error {code})")
         if not names_path:
             raise OSError(code, os.strerror(code))
         raise OSError(code, os.strerror(code), path, None, path2) if path2 else OSError(code, os.strerror(code), path)
+
+    def _read_hit(self, op: str, path: str) -> None:
+        """A read of a file's contents: an OSError naming no file, as the real read raises it."""
+        if self.reads and not getattr(self._quiet, "on", False):
+            self._hit(op, path, names_path=False)
 
     @contextlib.contextmanager
     def active(self, monkeypatch, fail_at: int | None = None, kind: str = "ENOSPC"):
@@ -80,6 +98,18 @@ class Faults:
             def __iter__(self):
                 return iter(self._f)
 
+            def read(self, *a):
+                faults._read_hit("file.read", self._path)
+                return self._f.read(*a)
+
+            def readinto(self, buf):
+                faults._read_hit("file.readinto", self._path)
+                return self._f.readinto(buf)
+
+            def readline(self, *a):
+                faults._read_hit("file.readline", self._path)
+                return self._f.readline(*a)
+
             def write(self, data):
                 faults._hit("file.write", self._path, names_path=False)
                 return self._f.write(data)
@@ -92,6 +122,7 @@ class Faults:
             def close(self):  # closing a file opened to read loses nothing: not an operation that fails
                 if self._f.closed:
                     return None
+                faults._fds.pop(self._f.fileno(), None)  # the number goes back to the system: no longer ours
                 try:
                     if self._writes:
                         faults._hit("file.close", self._path, names_path=False)
@@ -116,6 +147,22 @@ class Faults:
                     faults._hit(name, p)
                 return real(path, *a, **k)
             return op
+
+        def stat_op(name):
+            real = _REAL[name]
+
+            def op(path, *a, **k):
+                p = faults._ours(path) if "dir_fd" not in k else None
+                if p is not None:
+                    faults._hit(name if k.get("follow_symlinks", True) else "os.lstat", p)
+                return real(path, *a, **k)
+            return op
+
+        def wrapped_safe_open(filename, *a, **k):
+            p = faults._ours(filename)
+            if p is not None:
+                faults._hit("safe_open", p, rust=True)
+            return real_safe_open(filename, *a, **k)
 
         def two_path_op(name):
             real = _REAL[name]
@@ -173,6 +220,14 @@ class Faults:
         for name in ("os.remove", "os.unlink", "os.rmdir", "os.mkdir", "os.listdir", "os.scandir"):
             monkeypatch.setattr(os, name[3:], path_op(name))
         monkeypatch.setattr(shutil, "rmtree", wrapped_rmtree)
+        if self.reads:
+            import moe_ckpt.load
+
+            real_safe_open = moe_ckpt.load.safe_open
+            for name in ("os.stat", "os.lstat"):
+                monkeypatch.setattr(os, name[3:], stat_op(name))
+            monkeypatch.setattr(os, "fstat", fd_op("os.fstat"))
+            monkeypatch.setattr(moe_ckpt.load, "safe_open", wrapped_safe_open)
         try:
             yield self
         finally:

@@ -55,7 +55,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_cases import bits_equal, make_state, shards_for
+from ckpt_cases import bits_equal, free_port, make_state, shards_for
 from fs_faults import Faults, Interrupted, memory_folder
 
 from moe_ckpt import (
@@ -358,20 +358,12 @@ def _rank_main(rank: int, world: int, port: int, root: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_gloo_ranks_one_failing_operation_fails_every_rank_and_commits_nothing(tmp_path):
     import torch.multiprocessing as mp
 
     (tmp_path / "runs").mkdir()
     try:
-        mp.start_processes(_rank_main, args=(2, _free_port(), str(tmp_path / "runs"), str(tmp_path)), nprocs=2,
+        mp.start_processes(_rank_main, args=(2, free_port(), str(tmp_path / "runs"), str(tmp_path)), nprocs=2,
                            join=True, start_method="fork")
     finally:
         reports = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) if (tmp_path / f"rank{r}.pt").exists()

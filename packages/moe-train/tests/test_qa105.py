@@ -11,13 +11,13 @@ the error naming no file (moe-ckpt's defect 1) fails here too before its fix.
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from ckpt_faults import faults_module
 from moe_ckpt import step_dir, step_of
 from moe_train.cli import main
 from moe_train.trainer import checkpoint as ckpt
@@ -25,19 +25,10 @@ from moe_train.trainer.loop import Trainer
 from moe_train.trainer.resume_point import find_resume_point
 
 
-def _faults_module():
-    """moe-ckpt's fault injector (one definition, beside moe-ckpt's tests)."""
-    path = Path(__file__).parents[2] / "moe-ckpt" / "tests" / "fs_faults.py"
-    spec = importlib.util.spec_from_file_location("moe_ckpt_fs_faults", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def fast_dir(tmp_path_factory):
     """A folder in memory where there is one: each save fsyncs 8 times, ~20 ms on disk."""
-    with _faults_module().memory_folder(tmp_path_factory.mktemp("qa105"), "qa105-train-") as path:
+    with faults_module().memory_folder(tmp_path_factory.mktemp("qa105"), "qa105-train-") as path:
         yield path
 
 
@@ -60,7 +51,7 @@ def test_a_trainer_save_failing_at_any_operation_resumes_from_the_last_complete_
                                                                                      capsys):
     cfg, trainer, template = trained
     tmp_path = fast_dir / "cases"
-    faults_mod = _faults_module()
+    faults_mod = faults_module()
     trainer.step = 2
     meta = trainer._metadata()
     weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}

@@ -10,7 +10,7 @@ from pathlib import Path
 from moe_ckpt.errors import CorruptMetadataError, IncompleteCheckpointError, LayoutError, UnsupportedFormatVersionError
 from moe_ckpt.geometry import Box, Region, as_boxes, check_region, describe, intersect, region_from_json
 from moe_ckpt.run_dir import INDEX, TMP_MARK, tmp_dir_for
-from moe_ckpt.shard_file import Checksum
+from moe_ckpt.shard_file import Checksum, naming
 from moe_ckpt.spec import DTYPE_NAMES
 
 FORMAT = "moe-ckpt"
@@ -144,7 +144,7 @@ def read_index(path: Path) -> Index:
         raise IncompleteCheckpointError(f"{path} is a partial checkpoint (name contains {TMP_MARK!r}); "
                                         f"it was never committed")
     try:
-        with open(path / INDEX) as f:
+        with naming(path / INDEX), open(path / INDEX) as f:  # a failing read names no file of its own
             d = json.load(f)
         version = check_format(d, path / INDEX)
         return Index.from_json(d, version)

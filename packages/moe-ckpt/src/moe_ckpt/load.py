@@ -35,7 +35,7 @@ from moe_ckpt.errors import (
 from moe_ckpt.geometry import Box, FlatRange, Region, as_boxes, check_region, describe, intersect
 from moe_ckpt.index import Index, Piece, read_index
 from moe_ckpt.run_dir import INDEX, METADATA, find_latest
-from moe_ckpt.shard_file import file_checksum
+from moe_ckpt.shard_file import file_checksum, naming
 from moe_ckpt.spec import LoadRequest, dtype_from_name, dtype_name, safetensors_code
 
 
@@ -54,7 +54,7 @@ def load_metadata(path: str | Path) -> dict:
     path = resolve(path)
     read_index(path)  # refuses partial checkpoints
     try:
-        with open(path / METADATA) as f:
+        with naming(path / METADATA), open(path / METADATA) as f:  # a failing read names no file of its own
             meta = json.load(f)
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{path} has no {METADATA}: the checkpoint is incomplete") from None
@@ -229,6 +229,8 @@ class _Files(contextlib.ExitStack):
                         f"{rec['checksum']}: corrupt")
             try:
                 handle = self.enter_context(safe_open(fpath, framework="pt"))
+            except OSError as e:  # opening or mapping it failed (safetensors names no file): not a damaged file
+                raise type(e)(f"shard file {fpath} could not be opened ({e})") from None
             except Exception as e:  # safetensors' own error type: an unreadable header
                 raise CorruptShardError(f"shard file {fpath} is not a readable safetensors file "
                                         f"({type(e).__name__}: {e})") from None

@@ -112,7 +112,7 @@ def file_checksum(path: Path, algorithm: str) -> FileRecord:
     """Size and checksum of the file at `path`, read in chunks."""
     check = Checksum(algorithm)
     total = 0
-    with open(path, "rb", buffering=0) as f:
+    with naming(path), open(path, "rb", buffering=0) as f:  # a failing fstat or read names no file of its own
         # No bigger than the file: a zeroed 64 MB buffer costs ~35 ms, which dominated verifying small shards.
         buf = bytearray(min(_CHUNK, max(1, os.fstat(f.fileno()).st_size)))
         view = memoryview(buf)

@@ -138,7 +138,7 @@ def _resume_hint(cfg) -> str:
 
 
 def _cmd_inspect(args) -> None:
-    from moe_ckpt import format_checkpoint
+    from moe_ckpt import format_checkpoint, load_metadata
     from moe_train.trainer.checkpoint import checkpoint_root
 
     expected = "expected a checkpoint folder (with index.json), a run's checkpoints/ folder or a run folder"
@@ -150,7 +150,17 @@ def _cmd_inspect(args) -> None:
     if not _holds_checkpoint(path):
         raise FileNotFoundError(f"{args.checkpoint!r} holds no checkpoint (no index.json, checkpoints/ or "
                                 f"metrics.jsonl): {expected}")
-    print(format_checkpoint(path))
+    print(_with_train_data(format_checkpoint(path), load_metadata(path).get("train_data")))
+
+
+def _with_train_data(summary: str, identity: object) -> str:
+    """format_checkpoint's summary with a line for the training data the checkpoint recorded, after its step."""
+    from moe_train.data.token_file import identity_text
+
+    lines = summary.split("\n")
+    at = next((i + 1 for i, line in enumerate(lines) if line.startswith("step: ")), len(lines))
+    data = identity_text(identity) if isinstance(identity, dict) else "(not recorded)"
+    return "\n".join([*lines[:at], f"train data: {data}", *lines[at:]])
 
 
 def _cmd_hf(args) -> None:

@@ -64,7 +64,8 @@ def eval_blocks(num_tokens: int, eval_fraction: float, block: int) -> tuple[int,
 def _split_stream_file(stream: Path, num_tokens: int, folder: Path, eval_fraction: float,
                        eos_id: int) -> tuple[int, dict[str, dict[str, int]]]:
     """The uint32 file `stream` split by `eval_blocks`, a chunk at a time, into the train and eval files of `folder`.
-    Returns the block size used and each split's tokens, documents and largest token id, as meta.json records them."""
+    Returns the block size used and each split's tokens, documents, largest token id and digest, as meta.json
+    records them."""
     block, is_eval = eval_blocks(num_tokens, eval_fraction, EVAL_BLOCK_TOKENS)
     step = block * max(1, SPLIT_CHUNK_TOKENS // block)  # whole blocks per chunk
     with (open(stream, "rb") as f, SplitWriter(folder, "train", eos_id) as train,
@@ -75,9 +76,9 @@ def _split_stream_file(stream: Path, num_tokens: int, folder: Path, eval_fractio
             mask = np.repeat(is_eval[first : first + -(-chunk.size // block)], block)[: chunk.size]
             train.write(chunk[~mask])
             held_out.write(chunk[mask])
-        counts = {"train": (*train.finish(), train.max_token_id), "eval": (*held_out.finish(), held_out.max_token_id)}
-    return block, {name: {"num_tokens": t, "num_docs": d, "max_token_id": top}
-                   for name, (t, d, top) in counts.items()}
+        counts = {name: (*w.finish(), w.max_token_id, w.digest) for name, w in (("train", train), ("eval", held_out))}
+    return block, {name: {"num_tokens": t, "num_docs": d, "max_token_id": top, "digest": digest}
+                   for name, (t, d, top, digest) in counts.items()}
 
 
 class _DocumentPass:

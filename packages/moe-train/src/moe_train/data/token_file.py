@@ -3,7 +3,9 @@
 A data folder holds:
   meta.json            {"format": "moe-train-tokens/1", "vocab_size", "eos_id", "splits": {...}, "tokenizer"};
                        each split {"num_tokens", "num_docs", "max_token_id"} (max_token_id: its largest id, -1 when
-                       empty; written since moe-train 0.16.0, so a folder is opened without reading every token)
+                       empty; written since moe-train 0.16.0, so a folder is opened without reading every token) and
+                       "digest" ("blake2b-" + the hex of `b2sum -l 256` of its .u32 file, so a resume can tell the
+                       tokens its checkpoint trained on from others: split_identity; absent from older folders)
   train.u32, eval.u32  raw little-endian uint32 tokens, documents back to back, each ended by eos_id
                        (no header: np.memmap-compatible like OLMo-core's token .npy files)
   train.docs.u64, ...  document end offsets (exclusive), one uint64 per document
@@ -12,6 +14,7 @@ A data folder holds:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -20,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 FORMAT = "moe-train-tokens/1"
+DIGEST = "blake2b-"  # a split's digest: this, then the hex of the 32-byte BLAKE2b of its token file
 
 
 class DataError(ValueError):
@@ -49,14 +53,16 @@ class SplitWriter:
     def __init__(self, folder: Path, name: str, eos_id: int) -> None:
         self.eos_id, self.num_tokens, self.num_docs, self._last_end = eos_id, 0, 0, 0
         self.max_token_id = -1
+        self._digest = hashlib.blake2b(digest_size=32)
         self._tokens = open(folder / f"{name}.u32", "wb")
         self._ends = open(folder / f"{name}.docs.u64", "wb")
 
     def write(self, tokens: np.ndarray) -> None:
         """tokens: [n] uint32, the split's next ones."""
-        tokens = np.asarray(tokens, dtype="<u4")
+        tokens = np.ascontiguousarray(tokens, dtype="<u4")
         self._write_ends(np.flatnonzero(tokens == self.eos_id) + (self.num_tokens + 1))
         tokens.tofile(self._tokens)
+        self._digest.update(tokens)  # the bytes just written: the file is never read back whole
         self.num_tokens += tokens.size
         if tokens.size:
             self.max_token_id = max(self.max_token_id, int(tokens.max()))
@@ -69,6 +75,11 @@ class SplitWriter:
             f.flush()
             os.fsync(f.fileno())
         return self.num_tokens, self.num_docs
+
+    @property
+    def digest(self) -> str:
+        """The digest of the token file written so far, as meta.json records it."""
+        return DIGEST + self._digest.hexdigest()
 
     def _write_ends(self, ends: np.ndarray) -> None:
         ends.astype("<u8").tofile(self._ends)
@@ -114,7 +125,27 @@ def _read_meta(path: Path) -> dict:
         split = splits.get(name) if isinstance(splits, dict) else None
         if not _is_count(split.get("num_tokens") if isinstance(split, dict) else None):
             raise DataError(f"{path}: splits.{name}.num_tokens={_shown(split, 'num_tokens')}, expected an integer >= 0")
+        digest = split.get("digest")
+        if digest is not None and not (isinstance(digest, str) and digest.startswith(DIGEST)):
+            raise DataError(f"{path}: splits.{name}.digest={digest!r}, expected {DIGEST!r} and the hex of its token "
+                            "file's BLAKE2b (prepare-data writes it), or no digest")
     return meta
+
+
+def split_identity(meta: dict, name: str = "train") -> dict:
+    """What tells a split's tokens from others: its token count and, where meta.json records it, the digest of its
+    token file. Only the token ids count: a tokenizer.json that changed without changing them changes nothing a
+    run trains on (one that changes them changes the digest)."""
+    split = meta["splits"][name]
+    digest = split.get("digest")
+    return {"num_tokens": split["num_tokens"], **({"digest": digest} if digest is not None else {})}
+
+
+def identity_text(identity: dict) -> str:
+    """A split_identity in a few words: `blake2b-1a2b3c4d5e6f… (4,691 tokens)`, `4,691 tokens, no digest`."""
+    digest, count = identity.get("digest"), identity.get("num_tokens")
+    tokens = f"{count:,} tokens" if isinstance(count, int) else f"num_tokens={count!r}"
+    return f"{digest[:len(DIGEST) + 12]}… ({tokens})" if isinstance(digest, str) else f"{tokens}, no digest"
 
 
 def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, TokenSplit]]:

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from moe_ckpt import (
-    AsyncCheckpointer, Box, CheckpointError, CorruptMetadataError, FlatRange, LoadRequest, ShardSpec,
-    UnsupportedFormatVersionError, check_rng_state, fail_together, find_latest, inspect_checkpoint, list_checkpoints,
-    load_checkpoint, load_metadata, open_checkpoint, save_checkpoint, step_dir, step_of,
+    AsyncCheckpointer, Box, CheckpointError, CorruptMetadataError, FlatRange, LoadRequest, PeerCheckpointError,
+    ShardSpec, UnsupportedFormatVersionError, check_rng_state, fail_together, find_latest, inspect_checkpoint,
+    list_checkpoints, load_checkpoint, load_metadata, open_checkpoint, save_checkpoint, step_dir, step_of,
 )
 from moe_train.config import ConfigError
 from moe_train.trainer.errors import TrainingError
@@ -199,7 +199,9 @@ def _naming_the_way_back(path: Path) -> Iterator[None]:
     prints the message alone), keeping its type. A checkpoint of a newer format is not damaged: not this error."""
     try:
         yield
-    except UnsupportedFormatVersionError:
+    except (UnsupportedFormatVersionError, PeerCheckpointError):
+        # another rank's failure is not evidence of damage here: that rank's own error names its cause (a damaged
+        # file there gets the way back; a failed read of a sound one must not say "cannot be resumed from")
         raise
     except CheckpointError as err:
         raise _with_message(err, f"{err}. {way_back(path)}") from err
@@ -289,12 +291,16 @@ def load(path: Path, runtime: Runtime, model: nn.Module) -> dict[str, Any]:
     if len(set(names)) != len(names):
         raise RuntimeError("a rank holds two slices of one tensor; the checkpoint reader expects one")
     with _naming_the_way_back(path):
-        data = fail_together(lambda: _read(path, shards, runtime.device), runtime.rank, runtime.world_size,
-                             lambda flags: runtime.all_reduce_sum(flags.to(runtime.device)).cpu(), f"loading {path}")
+        # metadata.json is read inside the agreement too: a read error there on one rank alone would otherwise
+        # leave the others at their next collective (QA 109)
+        data, meta = fail_together(lambda: (_read(path, shards, runtime.device), load_metadata(path)),
+                                   runtime.rank, runtime.world_size,
+                                   lambda flags: runtime.all_reduce_sum(flags.to(runtime.device)).cpu(),
+                                   f"loading {path}")
     runtime.load_checkpoint_shards(lambda name, _slice: data[name])
     params = {n for n, _ in model.named_parameters()}
     with torch.no_grad():
         for s in shards:
             if s.global_name not in params and not s.global_name.startswith("optim."):
                 s.tensor.copy_(data[s.global_name].reshape(s.tensor.shape))
-    return load_metadata(path)
+    return meta

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from moe_train.config import Config, ConfigError, validate
 from moe_train.data import DataError, WindowSampler, eval_windows, open_data
+from moe_train.data.token_file import split_identity
 from moe_train.model import Transformer, count_params, flops_per_token
 from moe_train.model.router import refuse_a_router_the_loss_cannot_train
 from moe_ckpt import AsyncCheckpointer, capture_rng_state, fail_together, restore_rng_state, step_of
@@ -222,7 +223,7 @@ class Trainer:
         return {
             "step": self.step, "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
             "first_eval_loss": self.first_eval_loss, "last_eval_loss": self.last_eval_loss,
-            "sampler": self.sampler.state_dict(),
+            "sampler": self.sampler.state_dict(), "train_data": split_identity(self.meta, "train"),
             "config": self.cfg.to_dict(), "rng": capture_rng_state(),
             "layout": {"world_size": self.runtime.world_size, "dp": p.dp, "ep": p.ep, "pp": p.pp,
                        "strategy": p.strategy, "runtime": type(self.runtime).__name__},
@@ -248,7 +249,9 @@ class Trainer:
         self.skipped_steps = int(meta["skipped_steps"])
         # a streak of skipped steps goes on across a restart (checkpoints before 0.9.8 do not record it: 0)
         self.consecutive_skips = int(meta.get("consecutive_skips", 0))
-        data_change = resume_checks.train_data_change(meta["sampler"], self.sampler.num_windows, self.cfg.data.seed)
+        data_change = resume_checks.train_data_change(meta, self.sampler.num_windows,
+                                                      split_identity(self.meta, "train"), self.data_dir,
+                                                      self.cfg.data.seed)
         self.sampler.load_state_dict(meta["sampler"])
         if data_change and self.is_main:
             warnings.warn(data_change, stacklevel=2)

@@ -10,6 +10,7 @@ from typing import Any
 
 from moe_ckpt import load_metadata, step_of
 from moe_train.config import Config, ConfigError, ModelConfig
+from moe_train.data.token_file import identity_text
 from moe_train.trainer.checkpoint import checkpoint_root
 
 
@@ -149,20 +150,43 @@ def global_batch_change(saved: dict[str, Any], saved_layout: dict[str, Any], cfg
             "tokens, and the lr schedule goes on by step (train.steps and train.warmup_steps count steps, not tokens)")
 
 
-def train_data_change(saved_sampler: dict[str, Any], num_windows: int, data_seed: int) -> str | None:
-    """A one-line warning when a resume continues the checkpoint's sample order on other training data
-    (another number of windows: data.path changed or the folder was re-prepared) or ignores this run's
-    data.seed (the checkpoint's seed keeps the order); None when it continues as the writer would have.
-    Checkpoints of moe-train <= 0.5 did not store the window count: only the seed is compared."""
-    notes = []
-    before = saved_sampler.get("num_windows")
+def _other_tokens(saved: Any, now: dict[str, Any]) -> bool:
+    """Whether the checkpoint's record of its training data (`saved`: split_identity then, or not recorded) names
+    other tokens than `now`: the digests differ where both have one, else the token counts do."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("num_tokens"), int):
+        return False  # a checkpoint saved before the trainer recorded it: nothing to compare
+    if isinstance(saved.get("digest"), str) and isinstance(now.get("digest"), str):
+        return saved["digest"] != now["digest"]
+    return saved["num_tokens"] != now["num_tokens"]
+
+
+def train_data_change(saved: dict[str, Any], num_windows: int, data: dict[str, Any], data_path: str | Path,
+                      data_seed: int) -> str | None:
+    """A one-line warning when a resume continues the checkpoint's sample order on other training data than the
+    run that wrote it (saved: its metadata) trained on, or ignores this run's data.seed (the checkpoint's seed
+    keeps the order); None when it continues as the writer would have.
+
+    Other data: another digest of the train split's token file (data: this run's split_identity; the folder was
+    re-prepared from other text or with a tokenizer that gives other ids), another token count where a folder
+    prepared before digests has none, or another number of windows. Only token ids count: a tokenizer.json
+    changed without changing them trains the same. Checkpoints saved before the trainer recorded its data
+    (`train_data`) are compared by window count alone, those of moe-train <= 0.5 by the seed alone."""
+    notes, sampler = [], saved["sampler"]
+    before = sampler.get("num_windows")
+    differs = []
+    if _other_tokens(saved.get("train_data"), data):
+        differs.append(f"its train split is {identity_text(data)}, the checkpoint's was "
+                       f"{identity_text(saved['train_data'])}")
     if before is not None and int(before) != num_windows:
-        notes.append(f"the training data has {num_windows} windows of data.seq_len, the run that wrote the "
-                     f"checkpoint had {before} (data.path changed or re-prepared): sample "
-                     f"{saved_sampler.get('samples_seen')} onwards is drawn from this data, not the old order")
-    if int(saved_sampler.get("seed", data_seed)) != data_seed:
+        differs.append(f"the training data has {num_windows} windows of data.seq_len, the run that wrote the "
+                       f"checkpoint had {before}")
+    if differs:
+        notes.append(f"data.path={str(data_path)!r} is not the training data the checkpoint was trained on "
+                     f"({'; '.join(differs)}; data.path changed or re-prepared): the sample order goes on from "
+                     f"sample {sampler.get('samples_seen')} over this data's windows, not the old data's")
+    if int(sampler.get("seed", data_seed)) != data_seed:
         notes.append(f"data.seed={data_seed} is ignored on resume: the checkpoint's sampler seed "
-                     f"{saved_sampler['seed']} keeps the sample order (start a new train.run_dir for another order)")
+                     f"{sampler['seed']} keeps the sample order (start a new train.run_dir for another order)")
     return "; ".join(notes) or None
 
 
