@@ -97,7 +97,7 @@ def test_impossible_layout_exits_2_with_one_line(tmp_path):
     r = run_cli("train", "--parallel.dp=2", f"--train.run_dir={tmp_path}/run", cwd=tmp_path)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
-    assert "dp=2 x pp=1 = 2 does not equal world_size=1" in lines[0]
+    assert "parallel.dp=2 x parallel.pp=1 = 2 does not equal world_size=1" in lines[0]
 
 
 def test_our_warnings_print_as_one_line_and_others_as_python_shows_them(monkeypatch, capsys):

@@ -244,7 +244,7 @@ SAME_IN_BOTH = [  # (key, text, the field's value or the error)
     ("model.head_dim", "64", 64),
     ("model.head_dim", "0", "model.head_dim=0: expected a positive integer (or null for model.d_model // "),
     ("train.steps", "010", "train.steps: YAML 1.1 reads 010 as 8 (octal or base 60); write the number in decimal"),
-    ("train.steps", "0x10", 16),
+    # ("train.steps", "0x10"): 16 in a file, refused on the command line (test_qa111_config.py)
     ("train.steps", "~", "train.steps=None: expected an integer"),
     ("train.progress", "off", False),
     ("train.progress", "1", True),

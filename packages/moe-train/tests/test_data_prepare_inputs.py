@@ -69,7 +69,7 @@ def test_prepare_refuses_a_vocab_smaller_than_the_byte_alphabet(vocab, tmp_path,
     (tmp_path / "in.txt").write_text(TEXT)
     line = error_line(capsys, ["prepare-data", str(tmp_path / "in.txt"), "--out", str(tmp_path / "d"),
                                "--vocab-size", str(vocab)])
-    assert f"vocab_size={vocab}: expected >= 257" in line
+    assert f"--vocab-size={vocab}: expected >= 257" in line
 
 
 def test_a_vocab_larger_than_the_corpus_supports_warns_with_the_size_it_got(tmp_path):

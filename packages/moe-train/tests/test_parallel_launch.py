@@ -24,6 +24,6 @@ def test_plain_single_process_run_gets_the_local_runtime():
 def test_parallel_layout_without_a_launcher_fails_before_any_process_group():
     cfg = tiny()
     cfg.parallel.dp = 2
-    with pytest.raises(ValueError, match="dp=2 x pp=1 = 2 does not equal world_size=1"):
+    with pytest.raises(ValueError, match="parallel.dp=2 x parallel.pp=1 = 2 does not equal world_size=1"):
         make_runtime(cfg, torch.device("cpu"))
     assert not dist.is_initialized()

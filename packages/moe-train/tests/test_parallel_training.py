@@ -116,6 +116,6 @@ def test_invalid_layouts_fail_fast_with_the_same_message_on_every_rank(four_rank
     messages = [res["invalid"] for res in four_ranks]
     assert all(m == messages[0] for m in messages), messages
     dp_pp, ep_dp, ep_experts = messages[0]
-    assert "dp=2 x pp=1 = 2 does not equal world_size=4" in dp_pp
-    assert "ep=3 does not divide dp=4" in ep_dp
-    assert "num_experts=6 is not divisible by ep=4" in ep_experts
+    assert "parallel.dp=2 x parallel.pp=1 = 2 does not equal world_size=4" in dp_pp
+    assert "parallel.ep=3 does not divide parallel.dp=4" in ep_dp
+    assert "model.num_experts=6 is not divisible by parallel.ep=4" in ep_experts

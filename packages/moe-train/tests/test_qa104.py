@@ -286,8 +286,8 @@ def test_a_rotary_fraction_refused_for_float_round_off_says_so(fraction, product
 TRAINER_REFUSALS = [  # valid configs that train refuses before any work, and what its line names
     (["--model.router.top_k=1"], "model.router.normalize_top_k=true with model.router.top_k=1"),
     (["--data.default_vocab_size=4096", "--model.vocab_size=1024"], "data.default_vocab_size=4096"),
-    (["--parallel.dp=2"], "parallel layout: dp=2 x pp=1 = 2 does not equal world_size=1"),
-    (["--parallel.dp=2", "--parallel.ep=2"], "parallel layout: dp=2 x pp=1 = 2 does not equal world_size=1"),
+    (["--parallel.dp=2"], "parallel layout: parallel.dp=2 x parallel.pp=1 = 2 does not equal world_size=1"),
+    (["--parallel.dp=2", "--parallel.ep=2"], "parallel layout: parallel.dp=2 x parallel.pp=1 = 2 does not equal world_size=1"),
 ]
 if not torch.cuda.is_available():
     TRAINER_REFUSALS.append((["--train.device=cuda"], "train.device='cuda': expected a visible CUDA GPU"))

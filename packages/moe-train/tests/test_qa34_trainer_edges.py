@@ -66,7 +66,7 @@ def test_a_layout_larger_than_the_world_says_parallel_layout_once(capsys, data_d
                f"--train.run_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.count("parallel layout:") == 1, err
-    assert "dp=2 x pp=1 = 2 does not equal world_size=1" in err
+    assert "parallel.dp=2 x parallel.pp=1 = 2 does not equal world_size=1" in err
 
 
 def test_standard_json_writes_non_finite_numbers_as_null():

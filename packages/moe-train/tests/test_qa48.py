@@ -32,7 +32,7 @@ def test_prepare_data_with_a_huge_vocab_size_exits_2_naming_it_and_writes_nothin
     out = tmp_path / "data"
     assert main(["prepare-data", str(text), "--out", str(out), "--vocab-size", "100000000000"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("moe-train: error: vocab_size=100000000000: expected <= 1048576") and "\n" not in err
+    assert err.startswith("moe-train: error: --vocab-size=100000000000: expected <= 1048576") and "\n" not in err
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["corpus.txt"]
 
 

@@ -1,7 +1,8 @@
 """The `moe-train` command line: train, info, bench, export-hf, import-hf, inspect, prepare-data. This module holds
 the argument parser and the dispatch; what each command does is in cli_commands.py.
 
-Config errors and data errors exit with status 2 and one line naming the field and what was expected.
+Config errors and data errors exit with status 2 and one line naming the field and what was expected; one from a
+library call names the flag or argument the user typed, not the library's parameter (cli_names.py).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import os
 import shlex
 from pathlib import Path
 
+from moe_train.cli_names import EXPORT_NAMES, IMPORT_NAMES, PREPARE_NAMES, typed_as
 from moe_train.config import ConfigError
 
 
@@ -78,9 +79,10 @@ def _cmd_prepare(args) -> None:
     else:
         max_bytes = PREPARE_MAX_BYTES if args.max_bytes is None else args.max_bytes
         docs, source = stdlib_documents(max_bytes), "python-stdlib"
-    vocab_size = PREPARE_VOCAB_SIZE if args.vocab_size is None else args.vocab_size
-    out = prepare_data(docs, args.out, vocab_size=vocab_size, tokenizer_path=args.tokenizer, source=source,
-                       eos_token=args.eos_token)
+    passed = {"vocab_size": PREPARE_VOCAB_SIZE if args.vocab_size is None else args.vocab_size,
+              "tokenizer_path": args.tokenizer, "eos_token": args.eos_token}
+    with typed_as(PREPARE_NAMES, passed):
+        out = prepare_data(docs, args.out, source=source, **passed)
     meta = json.loads((out / "meta.json").read_text())
     train, held_out = meta["splits"]["train"], meta["splits"]["eval"]
     print(f"wrote {out}: {train['num_tokens']:,} train tokens ({train['num_docs']:,} documents), "
@@ -170,9 +172,11 @@ def _cmd_hf(args) -> None:
         _existing_saved_run(args.checkpoint, "expected a run folder, a checkpoint folder or a folder with "
                             "model.safetensors and config.json")
         source = _exported_checkpoint(args.checkpoint)
-        summary = export_hf(args.checkpoint, args.out, dtype=args.dtype, push_to_hub=args.push_to_hub,
-                            allow_benchmark_routing=args.allow_benchmark_routing, tokenizer_json=args.tokenizer,
-                            max_shard_bytes=args.max_shard_bytes, custom_code=args.custom_code)
+        passed = {"out_dir": args.out, "dtype": args.dtype, "push_to_hub": args.push_to_hub,
+                  "tokenizer_json": args.tokenizer, "max_shard_bytes": args.max_shard_bytes}
+        with typed_as(EXPORT_NAMES, passed):
+            summary = export_hf(args.checkpoint, **passed, allow_benchmark_routing=args.allow_benchmark_routing,
+                                custom_code=args.custom_code)
         shards = f"{summary.shards} shard{'s' if summary.shards != 1 else ''}"
         print(f"wrote {args.out}: {summary.architecture} from {source}, {summary.num_tensors} tensors, "
               f"{summary.total_bytes / 2**20:.1f} MiB of {args.dtype} in {shards}"
@@ -185,5 +189,6 @@ def _cmd_hf(args) -> None:
                      else " (no tokenizer.json in it: export-hf --tokenizer ships one)")
         print(f"load it: transformers.AutoModelForCausalLM.from_pretrained({args.out!r}{remote}){tokenizer}")
     else:
-        cfg, _ = import_hf(args.folder, args.out)
+        with typed_as(IMPORT_NAMES, {"out_dir": args.out}):
+            cfg, _ = import_hf(args.folder, out_dir=args.out)
         print(f"wrote {args.out} (preset-free config, {cfg.model.num_layers} layers, {cfg.model.num_experts} experts)")

@@ -11,6 +11,7 @@ import dataclasses
 import math
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -236,6 +237,40 @@ def _check_types(obj: Any, prefix: str = "") -> None:
         _check_type(f"{prefix}{f.name}", value, hints[f.name])
         if dataclasses.is_dataclass(value):
             _check_types(value, f"{prefix}{f.name}.")
+
+
+# The model fields only an MoE layer reads (model/moe.py), besides num_experts itself and the router section.
+EXPERT_ONLY_FIELDS = ("dense_layers", "expert_hidden", "shared_expert_hidden", "shared_expert_gate")
+
+
+def _expert_fields_set(m: ModelConfig, baselines: tuple[ModelConfig, ...]) -> list[str]:
+    """`model.expert_hidden=256`-style items for the expert-only and router fields of m whose value none of the
+    baselines holds."""
+    fields = [(f"model.{n}", getattr(m, n), [getattr(b, n) for b in baselines]) for n in EXPERT_ONLY_FIELDS]
+    fields += [(f"model.router.{f.name}", getattr(m.router, f.name), [getattr(b.router, f.name) for b in baselines])
+               for f in dataclasses.fields(RouterConfig)]
+    return [f"{name}={value!r}" for name, value, usual in fields if value not in usual]
+
+
+def warn_of_expert_settings_without_effect(m: ModelConfig, preset: ModelConfig) -> None:
+    """A dense model (model.num_experts=0) given expert or router fields, or an MoE model whose dense_layers cover
+    every layer (so it has no MoE layer), is warned about once: those fields change nothing. Not refused: a config
+    written out whole (`moe-train info`, an import-hf config.json) holds every field, and one file may serve dense
+    and MoE runs. For a dense model only values that are neither ModelConfig's default nor the preset's are named:
+    an untouched config, or a preset made dense with --model.num_experts=0, says nothing. `stacklevel=3` points at
+    build_config's caller."""
+    if m.num_experts == 0:
+        set_here = _expert_fields_set(m, (ModelConfig(), preset))
+        if set_here:
+            warnings.warn(f"{', '.join(set_here)}: no effect with model.num_experts=0, a dense model (every layer is "
+                          f"a SwiGLU of model.dense_hidden={m.dense_hidden}; only MoE layers read the expert and "
+                          "router fields); drop them, or set model.num_experts > 0 for an MoE model", stacklevel=3)
+    elif not any(m.is_moe_layer(i) for i in range(m.num_layers)):
+        warnings.warn(f"model.dense_layers={m.dense_layers} lists every layer (model.num_layers={m.num_layers}), so "
+                      f"the model has no MoE layer: model.num_experts={m.num_experts}, model.expert_hidden, "
+                      "model.shared_expert_hidden, model.shared_expert_gate and model.router.* have no effect; "
+                      "leave a layer out of model.dense_layers, or set model.num_experts=0 for a dense model",
+                      stacklevel=3)
 
 
 def validate_model(m: ModelConfig) -> ModelConfig:

@@ -15,6 +15,7 @@ import yaml
 
 from moe_train.config import (
     NONE_IS_A_VALUE, REMOVED_FIELDS, Config, ConfigError, DataConfig, optional_inner, validate,
+    warn_of_expert_settings_without_effect,
 )
 from moe_train.presets import get_preset
 
@@ -32,6 +33,28 @@ NULL_WORDS = ("~", "null", "none")  # YAML's null, and Python's spelling of it
 # what a field of each type takes, in words, for error messages
 _EXPECTED: dict[Any, str] = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 _EXPECTED_LIST = "a list like [0, 1] ([] for none)"
+
+# The text a number field takes from the command line, or as a string from a YAML file (README "Config"): decimal
+# ASCII only. YAML (and Python's int() and float()) would also take 0x10, 0b101, 1_000 and full-width digits (５):
+# one spelling per number keeps a typo from becoming a value. A whole number in e-notation (1e3) is an integer, as a
+# whole float in a file is. The words for inf and nan reach validate, which names them as not finite.
+NUMBER_TEXT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+NON_FINITE_TEXT = re.compile(r"[+-]?\.?(inf|infinity|nan)", re.IGNORECASE)
+# what such text must be, in words (bool: TRUE_WORDS / FALSE_WORDS, any case: -0 or 0x1 is no boolean)
+_TEXT_EXPECTED: dict[Any, str] = {
+    int: "an integer in decimal ASCII digits with an optional sign (1000, -3; 1e3 is 1000)",
+    float: "a number in decimal ASCII notation (0.003, 3e-3, 2)",
+    bool: "true or false (or yes/no, on/off, 1/0)",
+}
+
+
+def _text_fits(annotation: Any, text: str) -> bool:
+    """Whether `text` is written as the number or boolean field of this type takes it (README "Config")."""
+    if annotation is bool:
+        return text.lower() in TRUE_WORDS + FALSE_WORDS
+    if annotation is float and NON_FINITE_TEXT.fullmatch(text):
+        return True
+    return NUMBER_TEXT.fullmatch(text) is not None
 
 
 def _is_null(raw: Any) -> bool:
@@ -56,14 +79,17 @@ def _coerce(name: str, raw: Any, annotation: Any) -> Any:
             return raw
         if isinstance(raw, int) and raw in (0, 1):
             return bool(raw)
-        if isinstance(raw, str) and raw.lower() in TRUE_WORDS + FALSE_WORDS:
+        if isinstance(raw, str) and _text_fits(bool, raw):
             return raw.lower() in TRUE_WORDS
-        raise ConfigError(f"{name}={raw!r}: expected {_EXPECTED[bool]}")
+        expected = _TEXT_EXPECTED[bool] if isinstance(raw, str) else _EXPECTED[bool]
+        raise ConfigError(f"{name}={raw!r}: expected {expected}")
     if annotation is int:
         return _integer(name, raw)
     if annotation is float:
         if isinstance(raw, bool):
             raise ConfigError(f"{name}={raw!r}: expected {_EXPECTED[float]}")
+        if isinstance(raw, str) and not _text_fits(float, raw):  # float() takes '1_0' and full-width digits
+            raise ConfigError(f"{name}={raw!r}: expected {_TEXT_EXPECTED[float]}")
         try:
             return float(raw)
         except (TypeError, ValueError, OverflowError):  # OverflowError: an int past float's range
@@ -82,7 +108,9 @@ def _integer(name: str, raw: Any) -> int:
     and small enough that the float holds it exactly."""
     if isinstance(raw, int) and not isinstance(raw, bool):
         return raw
-    if isinstance(raw, str):
+    if isinstance(raw, str):  # a quoted YAML string, or text YAML reads as none of its numbers (1e3)
+        if not _text_fits(int, raw):  # int() takes ' 5', '1_000' and full-width digits
+            raise ConfigError(f"{name}={raw!r}: expected {_TEXT_EXPECTED[int]}")
         try:
             return int(raw)
         except ValueError:
@@ -267,7 +295,8 @@ def _kind(annotation: Any) -> str:
 def read_override(dotted: str, text: str) -> Any:
     """The value of `--dotted=text`: what a config file holding `dotted: text` gives, with the same checks
     (`~` is null, 0710 is refused, [0] is a list), except that a string field takes the text as typed (the
-    shell has quoted it already: --train.run_dir=0710 is the folder "0710")."""
+    shell has quoted it already: --train.run_dir=0710 is the folder "0710") and a number or boolean field takes
+    only the text _text_fits (YAML's 0x10 is 16 in a file; typed on the command line it is refused)."""
     annotation = _field_annotation(dotted)
     if annotation is None or str in (annotation, optional_inner(annotation)):
         return text  # a string as typed; a key that is no field is named by set_field
@@ -276,9 +305,17 @@ def read_override(dotted: str, text: str) -> Any:
         null = " (`null` for none)" if optional_inner(annotation) is not None else ""
         raise ConfigError(f"{where}: the value is empty; expected {_kind(annotation)}{null}")
     try:
-        return _read_yaml(text, dotted, where)
+        value = _read_yaml(text, dotted, where)
     except yaml.YAMLError as e:
         raise _yaml_error(where, e) from None
+    # YAML's numbers beyond decimal ASCII (0x10, 0b101, 1_000) and -0 or +1 for a boolean are refused as typed;
+    # a list, a mapping or a null is judged by _coerce, as in a file
+    scalar = optional_inner(annotation) or annotation
+    if scalar in _TEXT_EXPECTED and not isinstance(value, (list, dict)) and not _is_null(value) \
+            and not _text_fits(scalar, text):
+        shown = repr(text) if isinstance(value, str) else text  # quoted as a string is in _coerce's errors
+        raise ConfigError(f"{dotted}={shown}: expected {_TEXT_EXPECTED[scalar]}")
+    return value
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -347,7 +384,9 @@ def build_config(preset: str | None = None, yaml_path: str | None = None, overri
         _refuse_a_field_twice(given, key, value, "--{}", "")  # --model.router={top_k: 3} --model.router.top_k=4
     _expand_home(cfg)
     validate(cfg)
-    _warn_of_corpus_fields_a_data_folder_ignores(cfg, get_preset(str(name)))
+    preset_cfg = get_preset(str(name))
+    _warn_of_corpus_fields_a_data_folder_ignores(cfg, preset_cfg)
+    warn_of_expert_settings_without_effect(cfg.model, preset_cfg.model)
     return cfg
 
 

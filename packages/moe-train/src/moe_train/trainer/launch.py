@@ -7,6 +7,7 @@ below it receives plain values and process-group objects.
 from __future__ import annotations
 
 import os
+import re
 from datetime import timedelta
 
 import torch
@@ -41,6 +42,30 @@ def launched_world_size() -> int:
     return _launch_env("WORLD_SIZE", "1")
 
 
+# moe_parallel's names for what the config calls parallel.dp / ep / pp and model.num_experts
+_LAYOUT_NAMES = re.compile(r"(?<![\w.])(dp|ep|pp|num_experts)=")
+
+
+def _check_layout(cfg: Config, layout: ParallelLayout, world: int) -> None:
+    """The layout against the launched world, refused in the names the user typed (parallel.dp=3): moe_parallel's
+    ParallelLayout names its own arguments (dp=3), as a library user passes them. The same one line on every rank,
+    before any process group exists."""
+    p = cfg.parallel
+    processes = p.dp * p.pp
+    if processes != world:  # the one layout check validate(cfg) cannot make: it does not know the world
+        fix = (f"set parallel.dp={world // p.pp}" if world % p.pp == 0 else
+               f"no parallel.dp fits parallel.pp={p.pp}: set parallel.pp to a divisor of {world}")
+        raise ConfigError(f"parallel layout: parallel.dp={p.dp} x parallel.pp={p.pp} = {processes} does not equal "
+                          f"world_size={world} (the processes launched, WORLD_SIZE); {fix}, or launch {processes} "
+                          "processes")
+    try:
+        layout.validate(world, cfg.model.num_experts)
+    except ValueError as e:  # validate(cfg) refuses these first, in its own words; a Config built by hand gets here
+        message = str(e).removeprefix("parallel layout: ")
+        names = _LAYOUT_NAMES.sub(lambda m: ("model." if m[1] == "num_experts" else "parallel.") + m[0], message)
+        raise ConfigError(f"parallel layout: {names}") from None
+
+
 def make_runtime(cfg: Config, device: torch.device) -> Runtime:
     """LocalRuntime for a plain single-process run, else a DistributedRuntime.
 
@@ -55,11 +80,7 @@ def make_runtime(cfg: Config, device: torch.device) -> Runtime:
              and p.param_dtype == "fp32")
     if world == 1 and plain:
         return LocalRuntime(cfg, device)
-    try:
-        layout.validate(world, cfg.model.num_experts)
-    except ValueError as e:  # the same one line on every rank, before any process group exists
-        message = str(e)  # moe_parallel's own message starts "parallel layout: " already
-        raise ConfigError(message if message.startswith("parallel layout:") else f"parallel layout: {message}") from None
+    _check_layout(cfg, layout, world)
     if p.backend == "nccl" and device.type != "cuda":  # torch would fail inside init_process_group, with a traceback
         raise ConfigError(f"parallel.backend='nccl': expected 'gloo' or 'auto' on the {device.type} (train.device="
                           f"{cfg.train.device!r}): NCCL runs on CUDA GPUs only")

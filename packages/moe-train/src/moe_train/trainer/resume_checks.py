@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_ckpt import load_metadata, step_of
-from moe_train.config import Config, ConfigError, ModelConfig
+from moe_train.config import EXPERT_ONLY_FIELDS, Config, ConfigError, ModelConfig
 from moe_train.data.token_file import identity_text
 from moe_train.trainer.checkpoint import checkpoint_root
 
@@ -32,7 +32,7 @@ def _flat(section: dict[str, Any], prefix: str) -> dict[str, Any]:
 _NOT_RECORDED = object()  # a model field the checkpoint's config predates
 
 
-MOE_ONLY_FIELDS = ("model.dense_layers", "model.expert_hidden", "model.shared_expert_hidden", "model.shared_expert_gate")
+MOE_ONLY_FIELDS = tuple(f"model.{name}" for name in EXPERT_ONLY_FIELDS)
 
 
 def _network(model: dict[str, Any]) -> dict[str, Any]:
