@@ -6,8 +6,9 @@ block fails `test_every_readme_block_is_classified` until it is classified here:
     the reader (a model, a config) and the test may shrink the run (steps, data) through `build_config`; the
     block's own lines are not edited.
   - "raises: Exc": executed, and its last statement must raise Exc (a block that shows an error).
-  - "multi-rank: why": needs torchrun ranks (not run here; QA 55 ran them by hand with 4 and 8 gloo ranks).
-    Such a block is still parsed, every name it imports must exist, and every save must go to its own folder.
+  - "multi-rank: why": needs torchrun ranks, so not run here: test_qa112_readme_ranks.py runs it on 4 or 8 gloo
+    ranks. Here such a block is still parsed, every name it imports must exist, and every save must go to its own
+    folder.
 Every block, whatever its kind, must parse and import only names that exist.
 """
 
@@ -25,12 +26,15 @@ BLOCKS = {
     ("moe-kernels", "import torch"): "run",  # both moe-kernels blocks start with it; the second picks cpu itself
     ("moe-precision", "import torch"): "raises: NotImplementedError",  # its last line: PrecisionRecipe("mxfp8")
     ("moe-train", "from moe_train import build_config, Transformer, count_params"): "run",
-    ("moe-parallel", "import torch.distributed as dist"): "multi-rank: ParallelLayout(dp=4, ep=2), torchrun x4",
-    # the optimizer of the block above, with write / read left to the reader; the same sequence runs in
-    # moe-parallel's tests/test_optimizer_state_pieces.py (4 gloo ranks, restored at dp=2)
+    ("moe-parallel", "import torch.distributed as dist"):
+        "multi-rank: ParallelLayout(dp=4, ep=2), torchrun x4; run by test_qa112_readme_ranks.py",
+    # the optimizer of the block above, with write / read left to the reader: test_qa112_readme_ranks.py runs it
+    # on that block's 4 ranks; the same sequence runs in moe-parallel's tests/test_optimizer_state_pieces.py
+    # (4 gloo ranks, restored at dp=2)
     ("moe-parallel", "for p in opt.state_pieces():              # save: each element once, by the rank that owns it"):
-        "multi-rank: the ParallelLayout block's optimizer, torchrun x4",
-    ("moe-ckpt", "from datetime import timedelta"): "multi-rank: Box.dim0 over 8 EP ranks, torchrun x8",
+        "multi-rank: the ParallelLayout block's optimizer, torchrun x4; run by test_qa112_readme_ranks.py",
+    ("moe-ckpt", "from datetime import timedelta"):
+        "multi-rank: Box.dim0 over 8 EP ranks, torchrun x8; run by test_qa112_readme_ranks.py",
     ("moe-ckpt", "from moe_ckpt.hf import export_hf_folder, open_hf_folder"): "run",
 }
 
