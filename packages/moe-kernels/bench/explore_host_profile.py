@@ -10,12 +10,11 @@ import argparse
 import cProfile
 import io
 import pstats
-import time
 
 import torch
 
-import moe_kernels as moe
 from bench_moe_block import SHAPES, make_inputs
+from host_timeline import phases_ours
 
 
 def main() -> None:
@@ -29,45 +28,27 @@ def main() -> None:
     for t in (x, weights, w1, w2):
         t.requires_grad_()
     E = args.experts
+    args_ = (ids, weights, x, w1, w2, gy)
+    for _ in range(3):  # warm-up: compiles, and times the block's plans once
+        phases_ours(args_, E)
 
-    def route_and_forward():
-        rm = moe.build_route_map(ids, E)
-        return moe.moe_ffn(x, rm, weights, w1, w2)
+    def host_phases(prof: cProfile.Profile | None) -> dict[str, list[float]]:
+        """host_timeline.phases_ours per call from an idle GPU, under `prof` when given."""
+        phases: dict[str, list[float]] = {}
+        for _ in range(args.calls):
+            torch.cuda.synchronize()
+            if prof is not None:
+                prof.enable()
+            for k, v in phases_ours(args_, E).items():
+                phases.setdefault(k, []).append(v)
+            if prof is not None:
+                prof.disable()
+        torch.cuda.synchronize()
+        return phases
 
-    for _ in range(3):
-        torch.autograd.grad(route_and_forward(), (x, weights, w1, w2), gy)
-    torch.cuda.synchronize()
-    host = {"route_map": [], "forward": [], "backward": []}
     prof = cProfile.Profile()
-    for _ in range(args.calls):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        prof.enable()
-        rm = moe.build_route_map(ids, E)
-        t1 = time.perf_counter()
-        out = moe.moe_ffn(x, rm, weights, w1, w2)
-        t2 = time.perf_counter()
-        torch.autograd.grad(out, (x, weights, w1, w2), gy)
-        prof.disable()
-        t3 = time.perf_counter()
-        host["route_map"].append(t1 - t0)
-        host["forward"].append(t2 - t1)
-        host["backward"].append(t3 - t2)
-    torch.cuda.synchronize()
-    # host time per phase without the profiler
-    clean = {"route_map": [], "forward": [], "backward": []}
-    for _ in range(args.calls):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        rm = moe.build_route_map(ids, E)
-        t1 = time.perf_counter()
-        out = moe.moe_ffn(x, rm, weights, w1, w2)
-        t2 = time.perf_counter()
-        torch.autograd.grad(out, (x, weights, w1, w2), gy)
-        t3 = time.perf_counter()
-        clean["route_map"].append(t1 - t0)
-        clean["forward"].append(t2 - t1)
-        clean["backward"].append(t3 - t2)
+    host = host_phases(prof)
+    clean = host_phases(None)  # host time per phase without the profiler
     for label, d in (("host ms, no profiler", clean), ("host ms, under cProfile", host)):
         print(label + ": " + ", ".join(f"{k} {sorted(v)[len(v) // 2] * 1e3:.3f}" for k, v in d.items()))
     for key in ("tottime", "cumulative"):
