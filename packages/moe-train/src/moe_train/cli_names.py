@@ -39,17 +39,39 @@ def _spellings(value: object) -> set[str]:
 def in_typed_names(message: str, names: Mapping[str, str], passed: Mapping[str, object]) -> str:
     """`message` with `param=<the value passed>` as `<what the user typed>=<value>`, for each param of `names`.
 
-    Only a whole `param=` (not `model.vocab_size=`) followed by the value the command passed for it: the same name
-    with another value is something else (`meta.json records vocab_size=282`), and a bare `tokenizer_json=` speaks
-    to library callers. A name with an underscore, alone (`choose another out_dir`), is the parameter too."""
+    Only a whole `param=` (not `model.vocab_size=`, nor a path's `runs/out_dir=1`) followed by the value the command
+    passed for it: the same name with another value is something else (`meta.json records vocab_size=282`), and a
+    bare `tokenizer_json=` speaks to library callers. A name with an underscore, alone (`choose another out_dir`), is
+    the parameter too, but never inside a value: a path or file name (`hf/out_dir`, `eos_token.txt`), or anything
+    the message quotes (`'out_dir'`, an input `'eos_token'`), is left as written."""
     for param, typed in names.items():
         value = passed.get(param)
         if value is not None:
             values = "|".join(re.escape(s) for s in sorted(_spellings(value), key=len, reverse=True))
-            message = re.sub(rf"(?<![\w.-]){param}=({values})(?!\w)", lambda m: f"{typed}={m[1]}", message)
-        if "_" in param:  # `dtype` alone is a word ("in that dtype"); `out_dir` is only ever the parameter
-            message = re.sub(rf"(?<![\w.-]){param}(?![\w=])", typed, message)
-    return message
+            message = re.sub(rf"(?<![\w.\-/\\]){param}=({values})(?!\w)", lambda m: f"{typed}={m[1]}", message)
+    bare = [param for param in names if "_" in param]  # `dtype` alone is a word ("in that dtype")
+    if not bare:
+        return message
+    kept = _values_in(message, names, passed)
+    # not inside a path or a file's name: runs/out_dir, eos_token.txt
+    alone = re.compile(rf"(?<![\w.\-/\\])({'|'.join(map(re.escape, bare))})(?![\w=/\\]|\.\w)")
+    return alone.sub(lambda m: m[0] if any(a <= m.start() < b for a, b in kept) else names[m[1]], message)
+
+
+# A value a message quotes, as repr writes it: a quote after no letter (not the apostrophe of "model's") up to the next
+QUOTED = re.compile(r"(?<!\w)('[^'\n]*'|\"[^\"\n]*\")(?!\w)")
+
+
+def _values_in(message: str, names: Mapping[str, str], passed: Mapping[str, object]) -> list[tuple[int, int]]:
+    """Where `message` writes a value, not a parameter: anything it quotes ('out_dir', an input 'eos_token'), and a
+    value passed written bare after its `typed=`."""
+    spans = [m.span() for m in QUOTED.finditer(message)]
+    for param, typed in names.items():
+        value = passed.get(param)
+        if value is not None:
+            for spelled in _spellings(value):
+                spans += [m.span() for m in re.finditer(rf"(?<={re.escape(typed)}=){re.escape(spelled)}", message)]
+    return spans
 
 
 @contextlib.contextmanager

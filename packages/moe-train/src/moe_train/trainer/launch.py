@@ -51,16 +51,19 @@ def _check_layout(cfg: Config, layout: ParallelLayout, world: int) -> None:
     ParallelLayout names its own arguments (dp=3), as a library user passes them. The same one line on every rank,
     before any process group exists."""
     p = cfg.parallel
-    processes = p.dp * p.pp
-    if processes != world:  # the one layout check validate(cfg) cannot make: it does not know the world
-        fix = (f"set parallel.dp={world // p.pp}" if world % p.pp == 0 else
-               f"no parallel.dp fits parallel.pp={p.pp}: set parallel.pp to a divisor of {world}")
-        raise ConfigError(f"parallel layout: parallel.dp={p.dp} x parallel.pp={p.pp} = {processes} does not equal "
-                          f"world_size={world} (the processes launched, WORLD_SIZE); {fix}, or launch {processes} "
-                          "processes")
     try:
         layout.validate(world, cfg.model.num_experts)
-    except ValueError as e:  # validate(cfg) refuses these first, in its own words; a Config built by hand gets here
+    except ValueError as e:  # validate(cfg) refuses most of these first, in its own words; a Config built by hand
+        # gets here. A dp, ep or pp of 0 or '2' is named below as moe_parallel words it, not multiplied (pp=0 was a
+        # ZeroDivisionError); among counts, the one check validate(cfg) cannot make: it does not know the world
+        counts = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (p.dp, p.ep, p.pp))
+        if counts and p.dp * p.pp != world:
+            processes = p.dp * p.pp
+            fix = (f"set parallel.dp={world // p.pp}" if world % p.pp == 0 else
+                   f"no parallel.dp fits parallel.pp={p.pp}: set parallel.pp to a divisor of {world}")
+            raise ConfigError(f"parallel layout: parallel.dp={p.dp} x parallel.pp={p.pp} = {processes} does not "
+                              f"equal world_size={world} (the processes launched, WORLD_SIZE); {fix}, or launch "
+                              f"{processes} processes") from None
         message = str(e).removeprefix("parallel layout: ")
         names = _LAYOUT_NAMES.sub(lambda m: ("model." if m[1] == "num_experts" else "parallel.") + m[0], message)
         raise ConfigError(f"parallel layout: {names}") from None
