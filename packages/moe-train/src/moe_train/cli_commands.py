@@ -141,7 +141,7 @@ def _resume_hint(cfg) -> str:
 
 def _cmd_inspect(args) -> None:
     from moe_ckpt import format_checkpoint, load_metadata
-    from moe_train.trainer.checkpoint import checkpoint_root
+    from moe_train.trainer.checkpoint import checkpoint_root, newest_checkpoint
 
     expected = "expected a checkpoint folder (with index.json), a run's checkpoints/ folder or a run folder"
     path = _existing_saved_run(args.checkpoint, expected)
@@ -152,6 +152,7 @@ def _cmd_inspect(args) -> None:
     if not _holds_checkpoint(path):
         raise FileNotFoundError(f"{args.checkpoint!r} holds no checkpoint (no index.json, checkpoints/ or "
                                 f"metrics.jsonl): {expected}")
+    path = newest_checkpoint(path) or path  # a checkpoints/ folder: its newest complete step, warning of later ones
     print(_with_train_data(format_checkpoint(path), load_metadata(path).get("train_data")))
 
 

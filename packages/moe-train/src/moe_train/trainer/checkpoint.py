@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -221,10 +222,20 @@ def latest(run_dir: str | Path) -> Path | None:
 
 
 def newest_checkpoint(path: str | Path) -> Path | None:
-    """What a source path given to export-hf or train.init_from reads: the newest complete checkpoint of a run
-    folder, or of a run's checkpoints/ folder given directly (as inspect takes it); None for anything else (a
-    checkpoint folder itself, an import-hf output), which is read as given."""
-    return latest(path) or find_latest(path)
+    """What a source path given to export-hf, inspect or train.init_from reads: the newest complete checkpoint of a
+    run folder, or of a run's checkpoints/ folder given directly; None for anything else (a checkpoint folder itself,
+    an import-hf output), which is read as given. A folder named as a later step that is no complete checkpoint (no
+    index.json: never committed, or damaged) is warned about, since the step read is then not the run's last."""
+    found = latest(path) or find_latest(path)
+    if found is not None:
+        newer = sorted(p.name for p in found.parent.iterdir()
+                       if (step := step_of(p)) is not None and step > step_of(found) and p.is_dir()
+                       and not p.is_symlink())
+        if newer:
+            warnings.warn(f"{found.parent}: {', '.join(newer)} {'is' if len(newer) == 1 else 'are'} named as a later "
+                          f"step but {'holds' if len(newer) == 1 else 'hold'} no index.json (never committed, or "
+                          f"damaged): reading {found.name}, the newest complete checkpoint", stacklevel=2)
+    return found
 
 
 def _is_param_step(name: str) -> bool:
