@@ -221,6 +221,12 @@ def latest(run_dir: str | Path) -> Path | None:
     return find_latest(root) if root.is_dir() else None
 
 
+def entries_after_step(root: Path, step: int) -> list[Path]:
+    """What `root` holds named as a checkpoint of a step past `step` (complete or not, folder or not), by name."""
+    later = (p for p in root.iterdir() if (p_step := step_of(p)) is not None and p_step > step)
+    return sorted(later, key=lambda p: p.name)
+
+
 def newest_checkpoint(path: str | Path) -> Path | None:
     """What a source path given to export-hf, inspect or train.init_from reads: the newest complete checkpoint of a
     run folder, or of a run's checkpoints/ folder given directly; None for anything else (a checkpoint folder itself,
@@ -228,9 +234,7 @@ def newest_checkpoint(path: str | Path) -> Path | None:
     index.json: never committed, or damaged) is warned about, since the step read is then not the run's last."""
     found = latest(path) or find_latest(path)
     if found is not None:
-        newer = sorted(p.name for p in found.parent.iterdir()
-                       if (step := step_of(p)) is not None and step > step_of(found) and p.is_dir()
-                       and not p.is_symlink())
+        newer = [p.name for p in entries_after_step(found.parent, step_of(found)) if p.is_dir() and not p.is_symlink()]
         if newer:
             warnings.warn(f"{found.parent}: {', '.join(newer)} {'is' if len(newer) == 1 else 'are'} named as a later "
                           f"step but {'holds' if len(newer) == 1 else 'hold'} no index.json (never committed, or "

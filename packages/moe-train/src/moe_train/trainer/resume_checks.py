@@ -11,7 +11,7 @@ from typing import Any
 from moe_ckpt import load_metadata, step_of
 from moe_train.config import EXPERT_ONLY_FIELDS, Config, ConfigError, ModelConfig
 from moe_train.data.token_file import identity_text
-from moe_train.trainer.checkpoint import checkpoint_root
+from moe_train.trainer.checkpoint import checkpoint_root, entries_after_step
 
 
 # Model fields a resumed run may change: they set kernels, precision, initialisation or loss
@@ -206,7 +206,7 @@ def check_no_checkpoints_after(run_dir: str | Path, start_step: int, resume: boo
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return
-    later = sorted(p.name for p in root.iterdir() if (step := step_of(p)) is not None and step > start_step)
+    later = [p.name for p in entries_after_step(root, start_step)]
     if later:
         why = (f"this run resumes from step {start_step}" if resume and start_step > 0
                else "this run starts from step 0 (no resume)" if not resume else "no complete checkpoint was found")
