@@ -11,6 +11,9 @@ expert's weights in L2. Per GEMM (fwd1 with the SwiGLU epilogue, fwd2, dgrad1), 
 tuned single launch, the same main shape unsplit, the split for several P, the split run serially, grouped_mm.
 
     PYTHONPATH=packages/moe-kernels/src python3 packages/moe-kernels/bench/explore_tail_streams.py OUT.json
+
+Runs at commit c2e2504 only: the kernel's split mode (`tiles` / `other_m` / `programs` in a launch config) was taken
+out after this result (bench/NOTES.md, 2026-12-06 fifth).
 """
 
 from __future__ import annotations

@@ -27,27 +27,13 @@ from moe_kernels.triton.tuning import pick_config, rows_bucket
 
 
 @triton.jit
-def _expert_tiles(offsets_ptr, E, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, TILES: tl.constexpr,
-                  OTHER_M: tl.constexpr):
-    """Per-expert first tile row, row end, M-tile count and the counts' cumulative sum, from the device offsets.
-    TILES 0: every row in BLOCK_M tiles. A split in two launches (OTHER_M: the other launch's tile height):
-    1: an expert's whole BLOCK_M tiles, and its last partial tile when that holds more than OTHER_M rows;
-    2: the rest, an expert's last 1..BLOCK_M rows past its whole OTHER_M tiles, as one BLOCK_M tile."""
+def _expert_tiles(offsets_ptr, E, E_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Per-expert row starts/ends, M-tile counts and their cumulative sum, from the device offsets."""
     experts = tl.arange(0, E_P2)
     emask = experts < E
     ends = tl.load(offsets_ptr + experts, mask=emask, other=0)
     starts = tl.load(offsets_ptr + experts - 1, mask=emask & (experts > 0), other=0)
-    count = ends - starts
-    if TILES == 0:
-        tiles = (count + BLOCK_M - 1) // BLOCK_M
-    elif TILES == 1:
-        whole = count // BLOCK_M
-        tiles = whole + (count - whole * BLOCK_M > OTHER_M).to(tl.int32)
-    else:
-        whole = count // OTHER_M
-        rest = count - whole * OTHER_M
-        tiles = ((rest > 0) & (rest <= BLOCK_M)).to(tl.int32)
-        starts += whole * OTHER_M
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
     return experts, starts, ends, tiles, tl.cumsum(tiles, axis=0)
 
 
@@ -98,10 +84,9 @@ def _grouped_gemm_kernel(
     TOPK: tl.constexpr, E_P2: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_NK: tl.constexpr, FLATTEN: tl.constexpr, WS: tl.constexpr,
-    TILES: tl.constexpr, OTHER_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    experts, starts, ends, tiles, cum = _expert_tiles(offsets_ptr, E, E_P2, BLOCK_M, TILES, OTHER_M)
+    experts, starts, ends, tiles, cum = _expert_tiles(offsets_ptr, E, E_P2, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     total = tl.sum(tiles, axis=0) * num_n
     out_ty = c_ptr.dtype.element_ty
@@ -338,15 +323,13 @@ def grouped_gemm_launch(
         bm, bn, bk, tma = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("tma") and tma_ok
         ws = cfg.pop("ws", 0)
         progs = cfg.pop("progs", 1)  # persistent programs per SM (2: one's epilogue overlaps the other's loads)
-        tiles, other_m = cfg.pop("tiles", 0), cfg.pop("other_m", 0)  # a split launch (see _expert_tiles)
-        programs = cfg.pop("programs", None)  # a fixed persistent grid, e.g. to share the SMs with another launch
         a_desc = _descriptor(a, [bm, bk]) if tma and gather is None else None
         # the SwiGLU epilogue reads B's up half at column H: a tensor-descriptor box must start
         # 16-byte aligned there (an unaligned H faulted on the H200)
         b_tma = tma and (epilogue != 1 or (swiglu_h * b.element_size()) % 16 == 0)
         b_desc, b_nk = _b_descriptor(b, bk, bn) if b_tma else (None, False)
         upper = (triton.cdiv(n_rows, bm) + E) * triton.cdiv(out_cols, bn)
-        grid = (max(1, min(programs or progs * sms, upper)),)
+        grid = (max(1, min(progs * sms, upper)),)
         _grouped_gemm_kernel[grid](
             a, a_desc, b, b_desc, c, aux, offsets, gather_t, E, K, out_cols, swiglu_h,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
@@ -354,7 +337,7 @@ def grouped_gemm_launch(
             TOPK=top_k, E_P2=e_p2, GATHER_A=gather is not None, EPILOGUE=epilogue,
             EVEN_K=K % bk == 0, UPCAST=cpu, PRECISION=_precision(a.dtype),
             A_TMA=a_desc is not None, B_TMA=b_desc is not None, B_NK=b_nk, FLATTEN=False, WS=ws,
-            TILES=tiles, OTHER_M=other_m, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **cfg,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **cfg,
         )
 
     if config is not None:
