@@ -104,6 +104,38 @@ def test_labels_loss_with_router_logits_is_our_ce_plus_aux_with_the_same_gradien
     torch.testing.assert_close(theirs[f"model.{router}"].grad, model.get_parameter(router).grad, rtol=1e-4, atol=1e-6)
 
 
+def test_gradient_accumulation_with_num_items_in_batch_weighs_the_aux_once_per_step(exported):
+    """transformers' Trainer under gradient_accumulation_steps=G passes num_items_in_batch (the targets of all G
+    micro-batches) and sums the G losses' gradients: with the aux weighted by each micro-batch's share of the targets,
+    that sum is moe-train's step, the mean of (CE + aux) over G equal micro-batches, loss and every gradient (it was
+    CE/G + aux: the aux G times over). A micro-batch with fewer targets weighs its aux less."""
+    model, hf, _ = exported("softmax_shared")
+    batches = [tokens(2, seed=s) for s in (1, 2, 3)]
+    model.zero_grad()
+    ours = sum(sum(our_loss(model, ids)) for ids in batches) / len(batches)
+    ours.backward()
+    items = sum(ids[:, 1:].numel() for ids in batches)
+    hf.zero_grad()
+    theirs = 0.0
+    for ids in batches:
+        loss = hf(ids, labels=ids, output_router_logits=True, num_items_in_batch=torch.tensor(items)).loss
+        loss.backward()
+        theirs += loss.item()
+    assert abs(theirs - ours.item()) < 2e-6, (theirs, ours.item())
+    params = dict(hf.named_parameters())
+    for name, p in model.named_parameters():
+        g = params[name if name == "lm_head.weight" else f"model.{name}"].grad
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    ids = batches[0]
+    labels = ids.clone()
+    labels[0] = -100  # half of this micro-batch's targets ignored: its aux weighs n / N with the n left
+    with torch.no_grad():
+        out = hf(ids, labels=labels, output_router_logits=True, num_items_in_batch=items)
+        ce = hf(ids, labels=labels, num_items_in_batch=items).loss
+    n = int((labels[:, 1:] != -100).sum())
+    assert abs(out.loss.item() - (ce.item() + out.aux_loss.item() * n / items)) < 1e-6
+
+
 def test_output_router_logits_is_off_by_default_and_off_gives_the_cross_entropy_alone(exported):
     model, hf, out = exported("softmax_shared")
     assert json.loads((out / "config.json").read_text())["output_router_logits"] is False

@@ -419,9 +419,10 @@ class MoeTrainForCausalLM(MoeTrainPreTrainedModel, GenerationMixin):
         output_router_logits (default config.output_router_logits; MoeCausalLMOutputWithPast): also router_logits
         (one [B * S, E] per MoE layer) and aux_loss, moe-train's router aux loss summed over MoE layers (0 if dense),
         added to the loss: CE + aux_loss, what moe-train's trainer backpropagates for a micro-batch. Only rows of
-        attention_mask 1 enter the router statistics (all without a mask: moe-train's batches have no padding). The
-        aux is added undivided by num_items_in_batch, as Mixtral's: so under Trainer's gradient accumulation of G
-        micro-batches a step weighs it G times what moe-train's (CE + aux) / G does."""
+        attention_mask 1 enter the router statistics (all without a mask: moe-train's batches have no padding). With
+        num_items_in_batch the aux is added weighted by this micro-batch's share of the step's targets (n / N), so the
+        micro-batches of one optimizer step sum to one aux, as moe-train's (CE + aux) / G over G equal micro-batches
+        does (Mixtral's modeling adds it unweighted: G times that under gradient accumulation)."""
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         if output_router_logits is None:
             output_router_logits = getattr(self.config, "output_router_logits", False)
@@ -434,17 +435,20 @@ class MoeTrainForCausalLM(MoeTrainPreTrainedModel, GenerationMixin):
         if labels is not None:
             shift = logits[:, :-1].reshape(-1, logits.shape[-1]).to(_wide(logits.dtype))
             targets = labels[:, 1:].reshape(-1).to(logits.device)
+            aux_weight = 1.0
             if num_items_in_batch is None:
                 loss = F.cross_entropy(shift, targets, ignore_index=-100)
             else:
-                loss = F.cross_entropy(shift, targets, ignore_index=-100, reduction="sum")
-                loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device)
+                items = torch.as_tensor(num_items_in_batch, device=shift.device)
+                loss = F.cross_entropy(shift, targets, ignore_index=-100, reduction="sum") / items
+                aux_weight = (targets != -100).sum() / items
         cls = MoeCausalLMOutputWithPast if output_router_logits else CausalLMOutputWithPast
         fields = dict(loss=loss, logits=logits, hidden_states=out.hidden_states)
         if output_router_logits:
             real = None if attention_mask is None else attention_mask[:, -h.shape[1]:].reshape(-1).bool()
             aux = self.aux_loss(out.router_logits, real, logits.device)
-            fields.update(loss=None if loss is None else loss + aux, aux_loss=aux, router_logits=out.router_logits)
+            fields.update(loss=None if loss is None else loss + aux * aux_weight, aux_loss=aux,
+                          router_logits=out.router_logits)
         result = cls(**fields, **{_cache_field(cls): getattr(out, _cache_field(type(out)))})
         return result if return_dict is not False else result.to_tuple()
 
