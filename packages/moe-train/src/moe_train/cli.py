@@ -281,6 +281,18 @@ def _refuse_unread_by_bench(overrides: dict[str, str]) -> None:
             raise ConfigError(f"bench --{key}={overrides[key]}: bench does not read {key} ({why}); drop it")
 
 
+def _build_config_warning_once(args, overrides: dict[str, str]):
+    """build_config; its warnings (fields without effect, ignored corpus fields) shown by rank 0 alone: every
+    process of a torchrun job builds the same config, and each printed them, once per rank."""
+    from moe_train.trainer.launch import launched_rank
+
+    if args.command == "info" or launched_rank() == 0:  # info is not launched under torchrun
+        return build_config(args.preset, args.config, overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build_config(args.preset, args.config, overrides)
+
+
 def _run(args, rest) -> int:
     cfg = None
     try:
@@ -299,7 +311,7 @@ def _run(args, rest) -> int:
         overrides = parse_overrides(expand_aliases(rest))
         if args.command == "bench":
             _refuse_unread_by_bench(overrides)
-        cfg = build_config(args.preset, args.config, overrides)
+        cfg = _build_config_warning_once(args, overrides)
         if args.command == "train":
             _cmd_train(cfg)
         elif args.command == "info":

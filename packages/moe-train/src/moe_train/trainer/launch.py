@@ -42,6 +42,10 @@ def launched_world_size() -> int:
     return _launch_env("WORLD_SIZE", "1")
 
 
+def launched_rank() -> int:
+    return _launch_env("RANK", "0")
+
+
 # moe_parallel's names for what the config calls parallel.dp / ep / pp and model.num_experts
 _LAYOUT_NAMES = re.compile(r"(?<![\w.])(dp|ep|pp|num_experts)=")
 
@@ -87,7 +91,7 @@ def make_runtime(cfg: Config, device: torch.device) -> Runtime:
     if p.backend == "nccl" and device.type != "cuda":  # torch would fail inside init_process_group, with a traceback
         raise ConfigError(f"parallel.backend='nccl': expected 'gloo' or 'auto' on the {device.type} (train.device="
                           f"{cfg.train.device!r}): NCCL runs on CUDA GPUs only")
-    rank = _launch_env("RANK", "0")
+    rank = launched_rank()
     if device.type == "cuda":
         device = torch.device("cuda", _launch_env("LOCAL_RANK", "0"))
         torch.cuda.set_device(device)
