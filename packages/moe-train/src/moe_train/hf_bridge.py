@@ -32,6 +32,7 @@ from moe_ckpt.hf import (
 )
 from moe_train.config import Config, ConfigError, DataConfig
 from moe_train.config_io import config_from_dict, export_config_from_dict
+from moe_train.data import DataError
 from moe_train.data.prepare import load_tokenizer
 from moe_train.model import Transformer
 from moe_train.trainer import checkpoint as ckpt
@@ -211,6 +212,7 @@ def export_hf(
     by import_hf), which takes precedence.
     """
     extra: dict[str, Any] = {}
+    picked = ""  # where the export found a tokenizer itself: its refusals name that, not a tokenizer_json= not given
     with contextlib.ExitStack() as open_files:  # a checkpoint's files stay open until the export is written
         if isinstance(source, Transformer):
             model_dict: dict[str, Any] = dataclasses.asdict(source.cfg)
@@ -225,7 +227,12 @@ def export_hf(
             extra = {"max_position_embeddings": cfg.data.seq_len, **data_extra}
             # an import-hf output carries the Hugging Face folder's own tokenizer beside its weights
             own_tok = _resolve_checkpoint(Path(source)) / TOKENIZER_FILE
-            tokenizer_json = tokenizer_json or (own_tok if own_tok.is_file() else data_tok)
+            if not tokenizer_json:
+                tokenizer_json = None
+                if own_tok.is_file():
+                    tokenizer_json, picked = own_tok, "the checkpoint's own tokenizer.json (written by import-hf)"
+                elif data_tok is not None:
+                    tokenizer_json, picked = data_tok, f"the tokenizer of the run's data.path={cfg.data.path!r}"
             if tokenizer_json is None:
                 warnings.warn(
                     f"export of {str(source)!r}: no tokenizer found for data.path={cfg.data.path!r} "
@@ -236,15 +243,33 @@ def export_hf(
             if extra_file.is_file():
                 extra.update(read_json_object(extra_file))
         extra.update(extra_config or {})
-        if tokenizer_json is not None and Path(tokenizer_json).is_file():  # moe_ckpt names one that is not a file
-            load_tokenizer(str(tokenizer_json))  # a file that is no tokenizer.json: refused before any weight is out
         kwargs = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
-        summary = export_hf_folder(model_dict, tensors, out_dir, dtype=dtype, tokenizer_json=tokenizer_json,
-                                   extra_config=extra, allow_benchmark_routing=allow_benchmark_routing,
-                                   custom_code=custom_code, **kwargs)
+        with _naming_a_picked_tokenizer(tokenizer_json, picked):
+            if tokenizer_json is not None and Path(tokenizer_json).is_file():  # moe_ckpt names one not a file
+                load_tokenizer(str(tokenizer_json))  # a file that is no tokenizer.json: refused before any weight is out
+            summary = export_hf_folder(model_dict, tensors, out_dir, dtype=dtype, tokenizer_json=tokenizer_json,
+                                       extra_config=extra, allow_benchmark_routing=allow_benchmark_routing,
+                                       custom_code=custom_code, **kwargs)
     if push_to_hub:
         push_folder(out_dir, push_to_hub, private=private)
     return summary
+
+
+@contextlib.contextmanager
+def _naming_a_picked_tokenizer(tokenizer_json: str | Path | None, picked: str) -> Iterator[None]:
+    """A refusal of a tokenizer the export picked itself (`picked` says where from) names it so and says how to
+    choose another: the checks name the argument (tokenizer_json='p', --tokenizer 'p') the caller did not give."""
+    try:
+        yield
+    except (HFConversionError, DataError) as e:
+        path = str(tokenizer_json)
+        named = [f"tokenizer_json={path!r}", f"--tokenizer {path!r}"]
+        text = str(e)
+        if not picked or not any(n in text for n in named):
+            raise
+        for n in named:
+            text = text.replace(n, f"{picked} ({path!r}, which the export picked itself)", 1)
+        raise type(e)(f"{text}; pass tokenizer_json= (export-hf --tokenizer) to ship another") from None
 
 
 def _check_export_out(checkpoint: Path, out: Path) -> None:
