@@ -15,6 +15,7 @@ import torch
 
 from moe_train.cli import main
 from moe_train.config import INT64_MAX, MAX_COLLECTIVE_TIMEOUT_S, Config, DataConfig, ModelConfig, TrainConfig
+from metadata_edit import rewrite_metadata  # noqa: E402
 
 
 def cli(*argv: str, cwd=None) -> subprocess.CompletedProcess:
@@ -65,7 +66,7 @@ def stored_config_edited(run, tmp_path, edit) -> str:
     meta_file = find_latest(copy / "checkpoints") / "metadata.json"
     meta = json.loads(meta_file.read_text())
     edit(meta["config"])
-    meta_file.write_text(json.dumps(meta))
+    rewrite_metadata(meta_file, meta)
     return str(copy)
 
 

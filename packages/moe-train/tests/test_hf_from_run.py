@@ -11,6 +11,7 @@ import torch
 
 from moe_train.cli import main
 from moe_train.trainer.loop import Trainer
+from metadata_edit import rewrite_metadata  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,7 +52,7 @@ def test_export_without_a_findable_tokenizer_warns(tmp_path, data_dir, make_conf
     meta_file = find_latest(tmp_path / "run" / "checkpoints") / "metadata.json"
     meta = json.loads(meta_file.read_text())
     meta["config"]["data"]["path"] = str(tmp_path / "moved-away")
-    meta_file.write_text(json.dumps(meta))
+    rewrite_metadata(meta_file, meta)
     with pytest.warns(UserWarning, match="no tokenizer found for data.path=.*moved-away"):
         export_hf(tmp_path / "run", tmp_path / "hf", dtype="fp32")
     assert not (tmp_path / "hf" / "tokenizer.json").exists()

@@ -16,6 +16,7 @@ from moe_train.config import Config, ModelConfig, validate
 from moe_train.data import train_bpe
 from moe_train.hf_bridge import export_hf, import_hf
 from moe_train.model import Transformer
+from metadata_edit import rewrite_metadata  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,7 +72,7 @@ def test_export_hf_cli_ships_the_tokenizer_it_is_given(tmp_path, data_dir, make_
     meta_file = find_latest(tmp_path / "run" / "checkpoints") / "metadata.json"
     meta = json.loads(meta_file.read_text())
     meta["config"]["data"]["path"] = str(tmp_path / "moved-away")
-    meta_file.write_text(json.dumps(meta))
+    rewrite_metadata(meta_file, meta)
     tok = data_dir / "tokenizer.json"
     capsys.readouterr()
     assert main(["export-hf", str(tmp_path / "run"), str(tmp_path / "hf"), "--dtype", "fp32", "--tokenizer", str(tok)]) == 0

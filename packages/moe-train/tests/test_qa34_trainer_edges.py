@@ -11,6 +11,7 @@ import torch
 from moe_train.cli import main
 from moe_train.config import ConfigError
 from moe_train.trainer.loop import Trainer
+from metadata_edit import rewrite_metadata  # noqa: E402
 
 
 def _strict_records(path):
@@ -116,7 +117,7 @@ def test_a_resume_from_edited_metadata_names_the_field_before_loading(tmp_path, 
     meta_path = next((tmp_path / "run" / "checkpoints").glob("step-*")) / "metadata.json"
     meta = json.loads(meta_path.read_text())
     edit(meta)
-    meta_path.write_text(json.dumps(meta))
+    rewrite_metadata(meta_path, meta)
     with pytest.raises(CorruptMetadataError, match=r"metadata\.json: " + named.replace("(", r"\(").replace(")", r"\)")):
         Trainer(make_config(tmp_path, steps=4, eval_interval=0, save_interval=2)).train()
 

@@ -34,6 +34,7 @@ import qa99_worker as w  # noqa: E402
 from moe_ckpt import ChecksumMismatchError, CorruptMetadataError, load_metadata  # noqa: E402
 from moe_train.config import ConfigError, RouterConfig  # noqa: E402
 from moe_train.trainer.loop import Trainer  # noqa: E402
+from metadata_edit import rewrite_metadata  # noqa: E402
 
 pytestmark = pytest.mark.slow
 AFTER = range(w.STOP + 1, w.STEPS + 1)  # the steps a resumed run takes
@@ -183,7 +184,7 @@ def _edit_metadata(change):  # noqa: ANN001, ANN202
     def edit(checkpoint: Path) -> None:
         meta = json.loads((checkpoint / "metadata.json").read_text())
         change(meta)
-        (checkpoint / "metadata.json").write_text(json.dumps(meta))
+        rewrite_metadata(checkpoint / "metadata.json", meta)
     return edit
 
 

@@ -18,6 +18,7 @@ from moe_train.trainer.launch import make_runtime
 from moe_train.trainer.loop import Trainer
 from moe_train.trainer.metrics import MetricsLog
 from moe_train.trainer.runtime import LocalRuntime
+from metadata_edit import rewrite_metadata  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +143,7 @@ def test_resuming_a_checkpoint_with_another_eval_set_warns_once_with_the_setting
     meta = json.loads(meta_file.read_text())
     del meta["config"]["train"]["eval_windows"]
     meta["config"]["train"]["eval_batches"] = 3  # as 0.3.0 wrote it: 12 windows
-    meta_file.write_text(json.dumps(meta))
+    rewrite_metadata(meta_file, meta)
     with pytest.warns(UserWarning) as got:
         Trainer(cfg).train()  # steps=2: restores, trains nothing
     [warning] = [str(w.message) for w in got if "nothing to train" not in str(w.message)]

@@ -19,6 +19,9 @@ FORMAT = "moe-ckpt"
 # need a bump. moe-ckpt <= 0.5.0 wrote 1 (an index.json without the field is read as 1 too).
 FORMAT_VERSION = 1
 VERSION_KEY = "version"
+# index.json's record of metadata.json's size and checksum (checksum_algorithm's): {"bytes", "checksum"}. An index.json
+# without it (saved by an earlier moe-ckpt) leaves metadata.json unchecked; older readers ignore it: no version bump.
+METADATA_RECORD_KEY = "metadata_file"
 
 
 def shard_file_name(rank: int, world_size: int) -> str:
@@ -50,6 +53,7 @@ class Index:
     files: dict[str, dict]  # file name -> {"rank", "bytes", "checksum"}
     tensors: dict[str, TensorEntry]
     format_version: int = FORMAT_VERSION
+    metadata_file: dict | None = None  # metadata.json's {"bytes", "checksum"}; None: a save that recorded none
 
     def to_json(self) -> dict:
         return {
@@ -58,6 +62,7 @@ class Index:
             "world_size": self.world_size,
             "checksum_algorithm": self.checksum_algorithm,
             "files": self.files,
+            **({METADATA_RECORD_KEY: self.metadata_file} if self.metadata_file is not None else {}),
             "tensors": {
                 name: {"shape": list(t.shape), "dtype": t.dtype,
                        "pieces": [{"file": p.file, "key": p.key, **p.region.to_json()} for p in t.pieces]}
@@ -84,8 +89,13 @@ class Index:
         _need(ranks == list(range(world)), f"'files' holds shard files of ranks {ranks}, expected one per rank "
                                            f"0..{world - 1} (world_size={world})")
         _need(isinstance(tensors, dict), f"'tensors' is {type(tensors).__name__}, expected an object")
+        meta = d.get(METADATA_RECORD_KEY)
+        _need(METADATA_RECORD_KEY not in d or (isinstance(meta, dict) and _is_int(meta.get("bytes"))
+                                               and meta["bytes"] >= 0 and isinstance(meta.get("checksum"), str)),
+              f"{METADATA_RECORD_KEY!r} is {json.dumps(meta)}, expected {{'bytes': int >= 0, 'checksum': str}} "
+              "(metadata.json's size and checksum)")
         return Index(world, algorithm, files, {name: _entry(name, t, files) for name, t in tensors.items()},
-                     format_version)
+                     format_version, meta)
 
 
 def check_format(d: object, where: Path) -> int:

@@ -35,7 +35,7 @@ from moe_ckpt.errors import (
 from moe_ckpt.geometry import Box, FlatRange, Region, as_boxes, check_region, describe, intersect
 from moe_ckpt.index import Index, Piece, read_index
 from moe_ckpt.run_dir import INDEX, METADATA, find_latest
-from moe_ckpt.shard_file import file_checksum, naming
+from moe_ckpt.shard_file import bytes_checksum, file_checksum, naming
 from moe_ckpt.spec import LoadRequest, dtype_from_name, dtype_name, safetensors_code
 
 
@@ -50,20 +50,51 @@ def resolve(path: str | Path) -> Path:
 
 
 def load_metadata(path: str | Path) -> dict:
-    """The JSON metadata blob of a committed checkpoint (step, schedules, RNG, config, layout)."""
+    """The JSON metadata blob of a committed checkpoint (step, schedules, RNG, config, layout), checked against the
+    size and checksum index.json records for it (CorruptMetadataError if it changed since the save)."""
     path = resolve(path)
-    read_index(path)  # refuses partial checkpoints
+    return _read_metadata(path, read_index(path))  # read_index refuses partial checkpoints
+
+
+def _read_metadata(path: Path, index: Index) -> dict:
+    """metadata.json read once: those bytes are checked against index.json's record (a save before the record
+    existed has none: not checked) and parsed."""
+    mpath = path / METADATA
     try:
-        with naming(path / METADATA), open(path / METADATA) as f:  # a failing read names no file of its own
-            meta = json.load(f)
+        with naming(mpath), open(mpath, "rb") as f:  # a failing read names no file of its own
+            data = f.read()
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{path} has no {METADATA}: the checkpoint is incomplete") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, IsADirectoryError) as e:
-        raise CorruptMetadataError(f"{path / METADATA} is damaged ({type(e).__name__}: {e})") from None
+    except IsADirectoryError as e:
+        raise CorruptMetadataError(f"{mpath} is damaged ({type(e).__name__}: {e})") from None
+    changed = _metadata_changed(data, index)
+    # a file that is not the object a save writes says so first (and that it changed since the save, when it did)
+    try:
+        meta = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptMetadataError(f"{mpath} is damaged ({type(e).__name__}: {e})"
+                                   + (f"; it {changed}" if changed else "")) from None
     if not isinstance(meta, dict):
-        raise CorruptMetadataError(f"{path / METADATA} holds a JSON {type(meta).__name__}, expected an object "
-                                   "(save writes the caller's metadata dict plus 'moe_ckpt')")
+        raise CorruptMetadataError(f"{mpath} holds a JSON {type(meta).__name__}, expected an object "
+                                   "(save writes the caller's metadata dict plus 'moe_ckpt')"
+                                   + (f"; it {changed}" if changed else ""))
+    if changed:  # valid JSON, other values: the step, the data position or the schedule it resumes from is wrong
+        raise CorruptMetadataError(f"metadata file {mpath} {changed}")
     return meta
+
+
+def _metadata_changed(data: bytes, index: Index) -> str:
+    """How metadata.json's bytes differ from index.json's record of them, with what to do; "" if they do not (or
+    no record: a checkpoint of an earlier moe-ckpt)."""
+    want = index.metadata_file
+    if want is None:
+        return ""
+    got, algorithm = bytes_checksum(data, index.checksum_algorithm), index.checksum_algorithm
+    if (got.nbytes, got.checksum) == (want["bytes"], want["checksum"]):
+        return ""
+    return (f"has {got.nbytes} bytes, {algorithm} {got.checksum}; index.json says {want['bytes']} bytes, {algorithm} "
+            f"{want['checksum']}: truncated, edited or corrupt since the save, so its step, data position and "
+            "schedules cannot be trusted; resume from an earlier checkpoint, or put back a copy of this file")
 
 
 def load_checkpoint(
@@ -103,12 +134,15 @@ def open_checkpoint(path: str | Path, *, verify: bool = True) -> OpenCheckpoint:
 
 
 def verify_checkpoint(path: str | Path) -> Path:
-    """Check every shard file's presence, size, checksum and header once; returns the resolved path.
+    """Check every shard file's presence, size, checksum and header once, and metadata.json against index.json's
+    record of it (a checkpoint of an earlier moe-ckpt has none); returns the resolved path.
 
     Lets a reader that loads tensor by tensor pass verify=False afterwards.
     """
     with open_checkpoint(path, verify=True) as ckpt:
         ckpt.check_all_files()
+        if ckpt._index.metadata_file is not None:
+            _read_metadata(ckpt.path, ckpt._index)
         return ckpt.path
 
 

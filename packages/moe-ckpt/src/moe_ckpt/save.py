@@ -5,8 +5,8 @@ Protocol (ranks share a file system; `barrier` is the only coordination):
      (step-N.tmp folders ...) and creates `<path>.tmp`             -- barrier
   2. each rank writes shard-RRRRR-of-WWWWW.safetensors (fsynced)
      and a small manifest (its pieces, size, checksum)            -- barrier
-  3. rank 0 merges manifests into index.json after metadata.json,
-     fsyncs, renames `<path>.tmp` -> `<path>`, moves `latest`,
+  3. rank 0 merges manifests into index.json after metadata.json
+     (whose size and checksum index.json records), fsyncs, renames `<path>.tmp` -> `<path>`, moves `latest`,
      applies retention                                             -- barrier
   4. every rank checks the commit happened; if it did not (or rank 0
      failed after it: `latest`, retention), each reads
@@ -36,7 +36,9 @@ from moe_ckpt.index import build_index, manifest_name, shard_file_name
 from moe_ckpt.run_dir import (
     INDEX, METADATA, TMP_MARK, apply_retention, is_complete, remove_leftovers, tmp_dir_for, write_latest,
 )
-from moe_ckpt.shard_file import Checksum, fsync_dir, write_json_atomic, write_shard_file, write_text_atomic
+from moe_ckpt.shard_file import (
+    Checksum, bytes_checksum, fsync_dir, write_json_atomic, write_shard_file, write_text_atomic,
+)
 from moe_ckpt.spec import ShardSpec, dtype_name
 
 Barrier = Callable[[], object]
@@ -190,7 +192,9 @@ def _commit(path: Path, tmp: Path, metadata: dict | None, world_size: int, algor
         "checksum_algorithm": algorithm,
         "writer": _writer_version(),
     }
-    write_json_atomic(tmp / METADATA, meta)
+    # its bytes as written are checksummed: a value edited later (the step, the sampler's position) fails the read
+    written = bytes_checksum(write_json_atomic(tmp / METADATA, meta), algorithm)
+    index.metadata_file = {"bytes": written.nbytes, "checksum": written.checksum}
     write_json_atomic(tmp / INDEX, index.to_json())  # last: its presence marks completeness
     for r in range(world_size):
         os.remove(tmp / manifest_name(r, world_size))

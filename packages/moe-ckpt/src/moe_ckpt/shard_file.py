@@ -108,6 +108,13 @@ def _chunks(head: bytes, entries: list[tuple[str, torch.Tensor]]) -> Iterator[me
             yield data[i : i + _CHUNK]
 
 
+def bytes_checksum(data: bytes, algorithm: str) -> FileRecord:
+    """Size and checksum of `data`, a small file's whole content (metadata.json), read or written in one piece."""
+    check = Checksum(algorithm)
+    check.update(data)
+    return FileRecord(len(data), check.hexdigest())
+
+
 def file_checksum(path: Path, algorithm: str) -> FileRecord:
     """Size and checksum of the file at `path`, read in chunks."""
     check = Checksum(algorithm)
@@ -144,18 +151,21 @@ def fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def write_json_atomic(path: Path, obj: object) -> None:
-    """Write JSON to a temp name beside `path`, fsync, then os.replace onto `path`."""
-    write_text_atomic(path, json.dumps(obj, indent=1))
+def write_json_atomic(path: Path, obj: object) -> bytes:
+    """Write JSON to a temp name beside `path`, fsync, then os.replace onto `path`; returns the bytes written, the
+    file's exact content (what a checksum of it must cover)."""
+    data = json.dumps(obj, indent=1).encode()  # ASCII (json escapes the rest): the same bytes under any locale
+    write_text_atomic(path, data)
+    return data
 
 
-def write_text_atomic(path: Path, text: str, tmp: Path | None = None) -> None:
-    """Write text to a temp name beside `path` (`tmp`, by default .NAME.tmp-PID), fsync, then os.replace onto `path`:
-    a reader sees the whole text under `path` or no file (open + write would show it empty or cut to another
-    process in between). The temp file is removed if any of it fails."""
+def write_text_atomic(path: Path, text: str | bytes, tmp: Path | None = None) -> None:
+    """Write text (or bytes, as they are) to a temp name beside `path` (`tmp`, by default .NAME.tmp-PID), fsync,
+    then os.replace onto `path`: a reader sees the whole text under `path` or no file (open + write would show it
+    empty or cut to another process in between). The temp file is removed if any of it fails."""
     tmp = tmp or path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with naming(tmp), open(tmp, "w") as f:
+        with naming(tmp), open(tmp, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
