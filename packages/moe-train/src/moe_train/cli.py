@@ -283,10 +283,16 @@ def _refuse_unread_by_bench(overrides: dict[str, str]) -> None:
 
 def _build_config_warning_once(args, overrides: dict[str, str]):
     """build_config; its warnings (fields without effect, ignored corpus fields) shown by rank 0 alone: every
-    process of a torchrun job builds the same config, and each printed them, once per rank."""
-    from moe_train.trainer.launch import launched_rank
+    process of a torchrun job builds the same config, and each printed them, once per rank. A process alone (no
+    WORLD_SIZE > 1) shows them whatever RANK says, and a RANK or WORLD_SIZE that is no integer shows them too: a
+    single-process run does not read RANK, and make_runtime refuses such a value where a run reads it."""
+    from moe_train.trainer.launch import launched_rank, launched_world_size
 
-    if args.command == "info" or launched_rank() == 0:  # info is not launched under torchrun
+    try:
+        shown = args.command == "info" or launched_world_size() <= 1 or launched_rank() == 0  # info: no torchrun
+    except ConfigError:
+        shown = True
+    if shown:
         return build_config(args.preset, args.config, overrides)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

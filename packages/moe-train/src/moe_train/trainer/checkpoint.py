@@ -167,8 +167,9 @@ def check_run_dir_writable(run_dir: str | Path, saves: bool) -> None:
 
 def _reads(path: Path) -> bool:
     """Whether checkpoint `path` passes the checks a resume starts with, without reading its tensors: index.json,
-    metadata.json and the trainer's fields in it, every shard file's size and safetensors header (checksums
-    are not computed: that would read every byte of it, on every rank)."""
+    metadata.json (against index.json's checksum of it, when recorded) and the trainer's fields in it, every shard
+    file's size and safetensors header (the shards' checksums are not computed: that would read every byte of them,
+    on every rank)."""
     try:
         _check_trainer_fields(path)
         with open_checkpoint(path, verify=False) as opened:
@@ -190,7 +191,7 @@ def way_back(damaged: Path) -> str:
         return (f"checkpoint {damaged} cannot be resumed from, and no older checkpoint in {damaged.parent} reads "
                 f"either ({len(older)} checked); start again with train.resume=false and a new train.run_dir")
     return (f"checkpoint {damaged} cannot be resumed from; the newest older one that reads is {intact.name} (step "
-            f"{step_of(intact)}; sizes and headers checked, not checksums). To resume from it, move the damaged one "
+            f"{step_of(intact)}; its metadata checked, its shards' sizes and headers but not their checksums). To resume from it, move the damaged one "
             f"aside (mv {damaged} {aside}: moe-train ignores that name) and start the run again")
 
 
