@@ -17,6 +17,7 @@ import torch
 from moe_ckpt import (
     AsyncCheckpointer,
     CorruptMetadataError,
+    IncompleteCheckpointError,
     ShardSpec,
     format_checkpoint,
     inspect_checkpoint,
@@ -152,6 +153,19 @@ def test_a_checkpoint_of_an_earlier_moe_ckpt_without_the_record_loads_as_before(
     assert load_metadata(ck)["step"] == 1300
     assert inspect_checkpoint(ck)["metadata"]["step"] == 1300
     assert verify_checkpoint(ck) == ck
+
+
+def test_verify_checkpoint_of_an_earlier_moe_ckpt_still_reads_its_metadata_json(ck):
+    """No record to compare with, but a metadata.json that is damaged or missing is still refused by
+    verify_checkpoint, as load_metadata refuses it (it passed verify_checkpoint in 0.19.0)."""
+    _as_older_save(ck)
+    mpath = ck / "metadata.json"
+    mpath.write_text("[1, 2]")
+    with pytest.raises(CorruptMetadataError, match="holds a JSON list"):
+        verify_checkpoint(ck)
+    mpath.unlink()
+    with pytest.raises(IncompleteCheckpointError, match="has no metadata.json"):
+        verify_checkpoint(ck)
 
 
 @pytest.mark.parametrize("record", [

@@ -76,3 +76,27 @@ def test_a_tokenizer_passed_by_the_caller_is_still_named_as_passed(_prepared_dat
     with pytest.raises(HFConversionError, match=rf"^tokenizer_json={str(tok)!r} has token ids up to 511") as caught:
         export_hf(ckpt, tmp_path / "hf", tokenizer_json=tok)
     assert not str(caught.value).endswith(HINT)
+
+
+def test_a_data_folder_whose_meta_json_names_a_tokenizer_that_is_a_folder_is_named_in_the_warning(data_dir, tmp_path):
+    """The folder exists and its meta.json names tokenizer.json, now a folder: the warning names meta.json and the
+    tokenizer it names; it said "no tokenizer found ... run from the training directory", blaming the directory."""
+    (data_dir / "tokenizer.json").unlink()
+    (data_dir / "tokenizer.json").mkdir()
+    ckpt = checkpoint(tmp_path / "ckpt", str(data_dir))
+    with pytest.warns(UserWarning) as caught:
+        export_hf(ckpt, tmp_path / "hf")
+    text = str(caught[0].message)
+    assert (f"{data_dir / 'meta.json'} names the tokenizer {str(data_dir / 'tokenizer.json')!r}, which is a folder; "
+            "the folder gets no tokenizer.json") in text and "training directory" not in text, text
+    assert not (tmp_path / "hf" / "tokenizer.json").exists()
+
+
+def test_an_empty_tokenizer_json_is_not_given_for_a_model_as_for_a_checkpoint(tmp_path):
+    """tokenizer_json="" counted as not given for a checkpoint but was refused ("'' is not a file") for a model."""
+    ckpt = checkpoint(tmp_path / "ckpt", "default")
+    with pytest.warns(UserWarning, match="no tokenizer found for data.path='default'"):
+        export_hf(ckpt, tmp_path / "from_ckpt", tokenizer_json="")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    export_hf(Transformer(config_from_dict(cfg).model), tmp_path / "from_model", tokenizer_json="")
+    assert not (tmp_path / "from_model" / "tokenizer.json").exists()

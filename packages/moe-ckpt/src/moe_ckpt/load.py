@@ -134,15 +134,14 @@ def open_checkpoint(path: str | Path, *, verify: bool = True) -> OpenCheckpoint:
 
 
 def verify_checkpoint(path: str | Path) -> Path:
-    """Check every shard file's presence, size, checksum and header once, and metadata.json against index.json's
-    record of it (a checkpoint of an earlier moe-ckpt has none); returns the resolved path.
+    """Check every shard file's presence, size, checksum and header once, and metadata.json: a JSON object, and the
+    bytes index.json records for it (a checkpoint of an earlier moe-ckpt records none); returns the resolved path.
 
     Lets a reader that loads tensor by tensor pass verify=False afterwards.
     """
     with open_checkpoint(path, verify=True) as ckpt:
         ckpt.check_all_files()
-        if ckpt._index.metadata_file is not None:
-            _read_metadata(ckpt.path, ckpt._index)
+        _read_metadata(ckpt.path, ckpt._index)
         return ckpt.path
 
 

@@ -179,15 +179,19 @@ def stored_config(path: str | Path) -> Config:
         return cfg
 
 
-def _data_tokenizer(cfg: Config) -> tuple[Path | None, dict[str, Any]]:
-    """tokenizer.json and eos id of a prepared data folder (`prepare-data` writes both), if there is one."""
+def _data_tokenizer(cfg: Config) -> tuple[Path | None, dict[str, Any], str]:
+    """tokenizer.json and eos id of a prepared data folder (`prepare-data` writes both), if there is one, and why
+    not when the folder's meta.json names a tokenizer that is not a file ("" otherwise)."""
     folder = Path(cfg.data.path)
     meta = folder / "meta.json"
     if cfg.data.path == "default" or not meta.is_file():
-        return None, {}
+        return None, {}, ""
     info = json.loads(meta.read_text())
     tok = folder / info.get("tokenizer", "tokenizer.json")
-    return (tok if tok.is_file() else None), ({"eos_token_id": info["eos_id"]} if "eos_id" in info else {})
+    extra = {"eos_token_id": info["eos_id"]} if "eos_id" in info else {}
+    if tok.is_file():
+        return tok, extra, ""
+    return None, extra, f"{meta} names the tokenizer {str(tok)!r}, which is {'a folder' if tok.is_dir() else 'missing'}"
 
 
 def export_hf(
@@ -212,6 +216,7 @@ def export_hf(
     by import_hf), which takes precedence.
     """
     extra: dict[str, Any] = {}
+    tokenizer_json = tokenizer_json or None  # "" is not given, for every kind of source
     picked = ""  # where the export found a tokenizer itself: its refusals name that, not a tokenizer_json= not given
     with contextlib.ExitStack() as open_files:  # a checkpoint's files stay open until the export is written
         if isinstance(source, Transformer):
@@ -222,18 +227,19 @@ def export_hf(
             cfg, tensors = open_files.enter_context(open_checkpoint_source(source))
             model_dict = cfg.to_dict()["model"]
             choose_model_type(model_dict, allow_benchmark_routing, custom_code)  # refused before the tokenizer warning
-            data_tok, data_extra = _data_tokenizer(cfg)
+            data_tok, data_extra, data_tok_problem = _data_tokenizer(cfg)
             # The context the run trained at, not a length it never saw (tokenizer_config's model_max_length too).
             extra = {"max_position_embeddings": cfg.data.seq_len, **data_extra}
             # an import-hf output carries the Hugging Face folder's own tokenizer beside its weights
             own_tok = _resolve_checkpoint(Path(source)) / TOKENIZER_FILE
-            if not tokenizer_json:
-                tokenizer_json = None
-                if own_tok.is_file():
-                    tokenizer_json, picked = own_tok, "the checkpoint's own tokenizer.json (written by import-hf)"
-                elif data_tok is not None:
-                    tokenizer_json, picked = data_tok, f"the tokenizer of the run's data.path={cfg.data.path!r}"
-            if tokenizer_json is None:
+            if tokenizer_json is None and own_tok.is_file():
+                tokenizer_json, picked = own_tok, "the checkpoint's own tokenizer.json (written by import-hf)"
+            elif tokenizer_json is None and data_tok is not None:
+                tokenizer_json, picked = data_tok, f"the tokenizer of the run's data.path={cfg.data.path!r}"
+            if tokenizer_json is None and data_tok_problem:
+                warnings.warn(f"export of {str(source)!r}: {data_tok_problem}; the folder gets no tokenizer.json: "
+                              "pass one (export-hf --tokenizer, or tokenizer_json=)", stacklevel=2)
+            elif tokenizer_json is None:
                 warnings.warn(
                     f"export of {str(source)!r}: no tokenizer found for data.path={cfg.data.path!r} "
                     f"(data.cache_dir={cfg.data.cache_dir!r}, relative paths taken from {os.getcwd()}); the folder "
