@@ -210,3 +210,18 @@ def test_an_async_save_records_the_checksum_and_an_edit_of_its_metadata_is_refus
     (path / "metadata.json").write_bytes(data.replace(b'"step": 7', b'"step": 8'))
     with pytest.raises(CorruptMetadataError, match=re.escape(f"metadata file {path / 'metadata.json'} has")):
         load_metadata(path)
+
+
+def test_format_checkpoint_shows_a_callers_notes_after_the_step_from_the_metadata_it_read(ck):
+    """notes(metadata) -> lines after the step line, given the metadata format_checkpoint read and checked (a caller
+    such as moe-train inspect read metadata.json a second time and spliced its line in by string search)."""
+    seen = []
+
+    def notes(meta):
+        seen.append(meta)
+        return [f"sampler index: {meta['sampler']['index']}", "note two"]
+
+    lines = format_checkpoint(ck, notes=notes).split("\n")
+    at = lines.index("step: 1200")
+    assert lines[at + 1:at + 3] == ["sampler index: 48213", "note two"] and len(seen) == 1
+    assert format_checkpoint(ck).split("\n")[at + 1].startswith("  w ")  # no notes: the tensor table follows

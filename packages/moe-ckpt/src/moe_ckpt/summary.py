@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from moe_ckpt.geometry import describe
@@ -29,15 +30,17 @@ def inspect_checkpoint(path: str | Path) -> dict:
             "files": index.files, "tensors": tensors, "metadata": load_metadata(path), "total_bytes": total}
 
 
-def format_checkpoint(path: str | Path) -> str:
-    """inspect_checkpoint as a human-readable table."""
+def format_checkpoint(path: str | Path, *, notes: Callable[[dict], Sequence[str]] | None = None) -> str:
+    """inspect_checkpoint as a human-readable table. notes: lines of the caller's own about the checkpoint's
+    metadata (what its trainer recorded), shown after the step line; given the metadata read for the table."""
     info = inspect_checkpoint(path)
     meta = info["metadata"]
     lines = [f"checkpoint {info['path']}: {len(info['tensors'])} tensors, "
              f"{info['total_bytes'] / 1e9:.3f} GB, written by {info['world_size']} rank{'s' if info['world_size'] != 1 else ''}, "
              f"format version {info['format_version']}",
              f"layout: {meta.get('layout', '(not recorded)')}",
-             f"step: {meta.get('step', '(not recorded)')}"]
+             f"step: {meta.get('step', '(not recorded)')}",
+             *(notes(meta) if notes is not None else ())]
     width = max((len(n) for n in info["tensors"]), default=0)
     for name, t in info["tensors"].items():
         lines.append(f"  {name:<{width}}  {t['dtype']:<9} {str(tuple(t['shape'])):<20} {len(t['pieces'])} pieces")

@@ -140,7 +140,7 @@ def _resume_hint(cfg) -> str:
 
 
 def _cmd_inspect(args) -> None:
-    from moe_ckpt import format_checkpoint, load_metadata
+    from moe_ckpt import format_checkpoint
     from moe_train.trainer.checkpoint import checkpoint_root, newest_checkpoint
 
     expected = "expected a checkpoint folder (with index.json), a run's checkpoints/ folder or a run folder"
@@ -153,17 +153,15 @@ def _cmd_inspect(args) -> None:
         raise FileNotFoundError(f"{args.checkpoint!r} holds no checkpoint (no index.json, checkpoints/ or "
                                 f"metrics.jsonl): {expected}")
     path = newest_checkpoint(path) or path  # a checkpoints/ folder: its newest complete step, warning of later ones
-    print(_with_train_data(format_checkpoint(path), load_metadata(path).get("train_data")))
+    print(format_checkpoint(path, notes=_train_data_line))
 
 
-def _with_train_data(summary: str, identity: object) -> str:
-    """format_checkpoint's summary with a line for the training data the checkpoint recorded, after its step."""
+def _train_data_line(metadata: dict) -> list[str]:
+    """The line inspect adds to format_checkpoint's summary: the training data the checkpoint recorded."""
     from moe_train.data.token_file import identity_text
 
-    lines = summary.split("\n")
-    at = next((i + 1 for i, line in enumerate(lines) if line.startswith("step: ")), len(lines))
-    data = identity_text(identity) if isinstance(identity, dict) else "(not recorded)"
-    return "\n".join([*lines[:at], f"train data: {data}", *lines[at:]])
+    identity = metadata.get("train_data")
+    return [f"train data: {identity_text(identity) if isinstance(identity, dict) else '(not recorded)'}"]
 
 
 def _cmd_hf(args) -> None:
