@@ -79,7 +79,8 @@ def _parser():
 
 def cli_errors(text: str) -> list[str]:
     from moe_train.cli import _refuse_unread_by_bench, expand_aliases
-    from moe_train.config_io import _field_annotation, parse_overrides, read_override, set_field
+    from moe_train.config_fields import field_annotation
+    from moe_train.config_io import parse_overrides, read_override, set_field
     from moe_train.presets import get_preset
 
     errors = []
@@ -101,7 +102,7 @@ def cli_errors(text: str) -> list[str]:
                 cfg = get_preset(preset)
                 for key, value in overrides.items():
                     if PLACEHOLDER.fullmatch(value):
-                        if _field_annotation(key) is None:
+                        if field_annotation(key) is None:
                             raise ValueError(f"unknown config key {key!r}")
                     else:
                         set_field(cfg, key, read_override(key, value))
@@ -118,7 +119,7 @@ NOT_MOE_TRAIN_FLAGS = {"--nproc-per-node", "--repeated-long-words", "--pre"}
 
 def flag_errors(text: str) -> list[str]:
     from moe_train.cli import ALIASES, SHORT_KEYS
-    from moe_train.config_io import _field_annotation
+    from moe_train.config_fields import field_annotation
 
     parser = _parser()
     options = {o for a in parser._actions for o in a.option_strings}
@@ -129,7 +130,7 @@ def flag_errors(text: str) -> list[str]:
         for flag in re.findall(r"(?<![\w-])(--[\w.-]+)", span):
             if flag in NOT_MOE_TRAIN_FLAGS or flag in options or flag in ALIASES or flag in SHORT_KEYS:
                 continue
-            if "." in flag and _field_annotation(flag[2:]) is not None:
+            if "." in flag and field_annotation(flag[2:]) is not None:
                 continue
             errors.append(f"line {lineno}: {flag}")
     return errors
@@ -184,7 +185,8 @@ def _field_names() -> set[str]:
 
 
 def field_errors(text: str) -> list[str]:
-    from moe_train.config_io import _field_annotation, read_override, set_field
+    from moe_train.config_fields import field_annotation
+    from moe_train.config_io import read_override, set_field
     from moe_train.presets import get_preset
 
     errors = []
@@ -193,7 +195,7 @@ def field_errors(text: str) -> list[str]:
             if NOT_FIELDS.match(m.group(0)) or line[m.end(2): m.end(2) + 1] == "(":
                 continue
             key = f"{m.group(1)}.{m.group(2)}"
-            if _field_annotation(key) is None:
+            if field_annotation(key) is None:
                 errors.append(f"line {lineno}: {key}")
             elif m.group(3) and not PLACEHOLDER.fullmatch(m.group(3)) and m.group(3)[0] not in "{[" and \
                     m.group(0) not in REFUSED_VALUES:

@@ -8,7 +8,6 @@ import os
 import re
 import typing
 import warnings
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -17,6 +16,8 @@ from moe_train.config import (
     NONE_IS_A_VALUE, REMOVED_FIELDS, Config, ConfigError, DataConfig, optional_inner, validate,
     warn_of_expert_settings_without_effect,
 )
+from moe_train.config_fields import EXPECTED, EXPECTED_LIST, field_annotation, field_kind
+from moe_train.config_yaml import load_yaml, read_yaml, yaml_error
 from moe_train.presets import get_preset
 
 
@@ -29,10 +30,6 @@ TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
 NULL_WORDS = ("~", "null", "none")  # YAML's null, and Python's spelling of it
 
-
-# what a field of each type takes, in words, for error messages
-_EXPECTED: dict[Any, str] = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-_EXPECTED_LIST = "a list like [0, 1] ([] for none)"
 
 # The text a number field takes from the command line, or as a string from a YAML file (README "Config"): decimal
 # ASCII only. YAML (and Python's int() and float()) would also take 0x10, 0b101, 1_000 and full-width digits (５):
@@ -72,7 +69,7 @@ def _coerce(name: str, raw: Any, annotation: Any) -> Any:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is list:
         if not isinstance(raw, list):  # a bare 0 could mean layer 0 or no layers: neither is guessed
-            raise ConfigError(f"{name}={raw!r}: expected {_EXPECTED_LIST}")
+            raise ConfigError(f"{name}={raw!r}: expected {EXPECTED_LIST}")
         return [_coerce(f"{name}[]", v, args[0]) for v in raw]
     if annotation is bool:
         if isinstance(raw, bool):
@@ -81,19 +78,19 @@ def _coerce(name: str, raw: Any, annotation: Any) -> Any:
             return bool(raw)
         if isinstance(raw, str) and _text_fits(bool, raw):
             return raw.lower() in TRUE_WORDS
-        expected = _TEXT_EXPECTED[bool] if isinstance(raw, str) else _EXPECTED[bool]
+        expected = _TEXT_EXPECTED[bool] if isinstance(raw, str) else EXPECTED[bool]
         raise ConfigError(f"{name}={raw!r}: expected {expected}")
     if annotation is int:
         return _integer(name, raw)
     if annotation is float:
         if isinstance(raw, bool):
-            raise ConfigError(f"{name}={raw!r}: expected {_EXPECTED[float]}")
+            raise ConfigError(f"{name}={raw!r}: expected {EXPECTED[float]}")
         if isinstance(raw, str) and not _text_fits(float, raw):  # float() takes '1_0' and full-width digits
             raise ConfigError(f"{name}={raw!r}: expected {_TEXT_EXPECTED[float]}")
         try:
             return float(raw)
         except (TypeError, ValueError, OverflowError):  # OverflowError: an int past float's range
-            raise ConfigError(f"{name}={raw!r}: expected {_EXPECTED[float]}") from None
+            raise ConfigError(f"{name}={raw!r}: expected {EXPECTED[float]}") from None
     if annotation is str:
         if _is_null(raw) and not (isinstance(raw, str) and name in NONE_IS_A_VALUE):  # there, validate judges the text
             raise ConfigError(f"{name}={raw!r}: expected a string; this field cannot be null")
@@ -120,7 +117,7 @@ def _integer(name: str, raw: Any) -> int:
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value.is_integer()):
-        raise ConfigError(f"{name}={raw!r}: expected {_EXPECTED[int]}")
+        raise ConfigError(f"{name}={raw!r}: expected {EXPECTED[int]}")
     if abs(value) >= 2**53:  # from here on floats step by 2 or more: the written integer may be lost
         raise ConfigError(f"{name}={raw!r}: expected an integer written in digits (a float this large is rounded)")
     return int(value)
@@ -160,154 +157,22 @@ def apply_mapping(cfg: Config, mapping: dict[str, Any], prefix: str = "") -> Non
         set_field(cfg, f"{prefix}{key}", value)
 
 
-def _field_annotation(dotted: str) -> Any | None:
-    """The declared type of a config key (`model.dense_layers[]`: of its items); None for a key that is no field
-    (set_field names those)."""
-    if dotted.endswith("[]"):
-        outer = _field_annotation(dotted[:-2])
-        outer = optional_inner(outer) or outer
-        return typing.get_args(outer)[0] if typing.get_origin(outer) is list else None
-    annotation: Any = Config
-    for part in dotted.split("."):
-        if not dataclasses.is_dataclass(annotation):
-            return None
-        annotation = typing.get_type_hints(annotation).get(part)
-    return annotation
-
-
-# integers YAML 1.1 reads in a base nobody means in a config: 0710 (octal 456), 12:30 (base 60: 750)
-_YAML_1_1_NUMBER = re.compile(r"[-+]?0[0-7_]+|[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?")
-_YAML_READ_AS = {"tag:yaml.org,2002:int": "the number", "tag:yaml.org,2002:float": "the number",
-                 "tag:yaml.org,2002:bool": "the boolean", "tag:yaml.org,2002:timestamp": "the date"}
-
-
-_YAML_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
-
-
-def _refuse_yaml_1_1_number(loader: yaml.SafeLoader, node: yaml.ScalarNode, dotted: str) -> None:
-    raise ConfigError(f"{dotted}: YAML 1.1 reads {node.value} as {loader.construct_object(node)} (octal or base 60); "
-                      "write the number in decimal digits")
-
-
-def _refuse_silent_rewrites(loader: yaml.SafeLoader, node: yaml.Node, dotted: str, where: str, seen: set[int]) -> None:
-    """What yaml.safe_load accepts without a word but a config must not, in the value `node` of config key
-    `dotted` ("" for a whole file; where: the file or override named in errors): a key twice in one mapping
-    (the last would win), and an unquoted scalar YAML 1.1 reads as a number, boolean or date where the field
-    is a string (`run_dir: 0710` is the octal 456, `12:30` the sexagesimal 750, `1.50` is 1.5), or as an
-    octal or base-60 number where it is a number."""
-    if isinstance(node, yaml.ScalarNode):
-        if dotted:  # checked at each key it stands for (an alias may stand for fields of two types)
-            _refuse_silent_scalar(loader, node, dotted, where)
-        return
-    if id(node) in seen:  # an alias of a list or mapping: checked where its anchor is
-        return
-    seen.add(id(node))
-    if isinstance(node, yaml.SequenceNode):
-        for item in node.value:
-            if isinstance(item, yaml.ScalarNode):
-                _refuse_silent_scalar(loader, item, f"{dotted}[]", where)
-            else:
-                _refuse_silent_rewrites(loader, item, f"{dotted}[]", where, seen)
-        return
-    if not isinstance(node, yaml.MappingNode):
-        return
-    prefix = f"{dotted}." if dotted else ""
-    lines: dict[str, int] = {}
-    for key_node, value_node in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden by the keys beside it
-            _refuse_silent_rewrites(loader, value_node, dotted, where, seen)
-            continue
-        key, line = str(key_node.value), key_node.start_mark.line + 1
-        if isinstance(key_node, yaml.ScalarNode):
-            if key in lines:
-                raise ConfigError(f"{where}: duplicate key {prefix + key!r} at line {line} (first at line "
-                                  f"{lines[key]}): YAML would keep only the last; delete one")
-            lines[key] = line
-        _refuse_silent_rewrites(loader, value_node, f"{prefix}{key}", where, seen)
-
-
-_YAML_NULL_TAG, _YAML_BOOL_TAG, _YAML_DATE_TAG = (f"tag:yaml.org,2002:{t}" for t in ("null", "bool", "timestamp"))
-
-
-def _refuse_silent_scalar(loader: yaml.SafeLoader, node: yaml.ScalarNode, dotted: str, where: str) -> None:
-    """Also an empty value, a YAML boolean or a date where the field takes none of them, named as typed: the
-    error would show the value YAML made of it (`train.steps=None` for an empty `steps:`, `train.steps=True` for
-    `steps: yes`, `datetime.date(2024, 1, 1)`). A null typed as such (`~`, `null`) is left to _coerce."""
-    annotation = _field_annotation(dotted)
-    is_string = str in (annotation, optional_inner(annotation))
-    read_as = _YAML_READ_AS.get(node.tag)
-    if read_as and _YAML_1_1_NUMBER.fullmatch(node.value) and not is_string:
-        _refuse_yaml_1_1_number(loader, node, dotted.removesuffix("[]"))
-    # a date as typed: YAML's pattern takes 2024-13-45, which no calendar holds (constructing it raises)
-    value = node.value if node.tag == _YAML_DATE_TAG else loader.construct_object(node) if read_as else None
-    shown = str(value).lower() if isinstance(value, bool) else value
-    if read_as and is_string:
-        key = dotted.rsplit(".", 1)[-1].removesuffix("[]")
-        raise ConfigError(f'{dotted}: YAML read {node.value} as {read_as} {shown}; quote it: {key}: "{node.value}"')
-    if annotation is None or (node.tag == _YAML_NULL_TAG and (optional_inner(annotation) is not None
-                                                              or dotted == "preset")):
-        return  # a key that is no field (set_field names it), or a null where one is taken (`preset:` is tiny)
-    expected = _kind(annotation)
-    at = f"{where}, line {node.start_mark.line + 1}"
-    if node.tag == _YAML_NULL_TAG and not node.value:
-        raise ConfigError(f"{dotted}: the value is empty (YAML reads it as null; {at}); expected {expected}")
-    if node.tag == _YAML_DATE_TAG:
-        raise ConfigError(f"{dotted}={node.value}: expected {expected} (YAML reads it as a date; {at})")
-    if node.tag == _YAML_BOOL_TAG and bool not in (annotation, optional_inner(annotation)):
-        raise ConfigError(f"{dotted}={node.value}: expected {expected} (YAML reads {node.value} as the boolean {shown}; "
-                          f"{at})")
-
-
-def _read_yaml(text: str, dotted: str, where: str) -> Any:
-    """The value YAML reads from `text` (None for an empty one), after _refuse_silent_rewrites."""
-    loader = yaml.SafeLoader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        _refuse_silent_rewrites(loader, node, dotted, where, set())
-        try:
-            return loader.construct_document(node)
-        except ValueError as e:  # a scalar of YAML's date pattern no calendar holds, under a key that is no field
-            raise ConfigError(f"{where}: YAML reads a value as a date and cannot ({e}); quote it if it is text") \
-                from None
-    finally:
-        loader.dispose()
-
-
-def _yaml_error(where: str, e: yaml.YAMLError) -> ConfigError:
-    mark = getattr(e, "problem_mark", None)
-    at = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
-    why = getattr(e, "problem", None) or " ".join(str(e).split())
-    return ConfigError(f"{where}: invalid YAML at {at}: {why}")
-
-
-def _kind(annotation: Any) -> str:
-    """What a field of this type takes, in words, for messages."""
-    annotation = optional_inner(annotation) or annotation
-    if typing.get_origin(annotation) is list:
-        return _EXPECTED_LIST
-    if dataclasses.is_dataclass(annotation):
-        return "a mapping of its fields"
-    return _EXPECTED.get(annotation, "a value")
-
-
 def read_override(dotted: str, text: str) -> Any:
     """The value of `--dotted=text`: what a config file holding `dotted: text` gives, with the same checks
     (`~` is null, 0710 is refused, [0] is a list), except that a string field takes the text as typed (the
     shell has quoted it already: --train.run_dir=0710 is the folder "0710") and a number or boolean field takes
     only the text _text_fits (YAML's 0x10 is 16 in a file; typed on the command line it is refused)."""
-    annotation = _field_annotation(dotted)
+    annotation = field_annotation(dotted)
     if annotation is None or str in (annotation, optional_inner(annotation)):
         return text  # a string as typed; a key that is no field is named by set_field
     where = f"override --{dotted}={text}"
     if not text.strip():  # YAML reads "" as null: the message would name a None nobody typed
         null = " (`null` for none)" if optional_inner(annotation) is not None else ""
-        raise ConfigError(f"{where}: the value is empty; expected {_kind(annotation)}{null}")
+        raise ConfigError(f"{where}: the value is empty; expected {field_kind(annotation)}{null}")
     try:
-        value = _read_yaml(text, dotted, where)
+        value = read_yaml(text, dotted, where)
     except yaml.YAMLError as e:
-        raise _yaml_error(where, e) from None
+        raise yaml_error(where, e) from None
     # YAML's numbers beyond decimal ASCII (0x10, 0b101, 1_000) and -0 or +1 for a boolean are refused as typed;
     # a list, a mapping or a null is judged by _coerce, as in a file
     scalar = optional_inner(annotation) or annotation
@@ -316,24 +181,6 @@ def read_override(dotted: str, text: str) -> Any:
         shown = repr(text) if isinstance(value, str) else text  # quoted as a string is in _coerce's errors
         raise ConfigError(f"{dotted}={shown}: expected {_TEXT_EXPECTED[scalar]}")
     return value
-
-
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    if str(path) == "":  # Path("") is the current folder
-        raise ConfigError("config file '': expected the path of a YAML file, got an empty string")
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} " + ("is a folder: expected a YAML file" if p.is_dir() else "does not exist"))
-    where = f"config file {str(p)!r}"
-    try:
-        data = _read_yaml(p.read_text(encoding="utf-8"), "", where) or {}
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except yaml.YAMLError as e:
-        raise _yaml_error(where, e) from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(p)!r}: expected a mapping at the top level")
-    return data
 
 
 def parse_overrides(args: list[str]) -> dict[str, str]:
