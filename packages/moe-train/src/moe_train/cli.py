@@ -171,8 +171,10 @@ def _parser() -> _Parser:
             s.add_argument("--steps", type=int, default=5, help="measured steps (default 5)")
             s.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (default 2)")
             s.add_argument("--out", type=_path, default=None, help="also write the JSON here")
-    s = sub.add_parser("export-hf", help="export a checkpoint to a Hugging Face folder that stock transformers loads "
-                                         "(--custom-code: with trust_remote_code=True)")
+    # description=help: a command's own --help says what it does, as `moe-train --help` lists it
+    help_ = ("export a checkpoint to a Hugging Face folder that stock transformers loads "
+             "(--custom-code: with trust_remote_code=True)")
+    s = sub.add_parser("export-hf", help=help_, description=help_)
     s.add_argument("checkpoint", type=_path,
                    help="a run folder or its checkpoints/ folder (the latest checkpoint), or a checkpoint folder")
     s.add_argument("out", type=_path, help="the Hugging Face folder to write (new, or an earlier export)")
@@ -190,14 +192,18 @@ def _parser() -> _Parser:
     s.add_argument("--custom-code", action="store_true",
                    help="ship moe-train's own modeling code in the folder (any model exports, also those no stock "
                         "transformers class computes); load it with trust_remote_code=True")
-    s = sub.add_parser("import-hf", help="convert a Hugging Face folder to our config.json and our-named model.safetensors "
-                           "(export-hf reads it; train --train.init_from=OUT starts a run from its weights)")
+    help_ = ("convert a Hugging Face folder to our config.json and our-named model.safetensors "
+             "(export-hf reads it; train --train.init_from=OUT starts a run from its weights)")
+    s = sub.add_parser("import-hf", help=help_, description=help_)
     s.add_argument("folder", type=_path, help="a Hugging Face model folder (config.json and safetensors)")
     s.add_argument("out", type=_path, help="the folder to write config.json, model.safetensors and hf_extra.json into")
-    s = sub.add_parser("inspect", help="list a checkpoint's tensors, shapes and the layout that wrote it")
+    help_ = "list a checkpoint's tensors, shapes and the layout that wrote it"
+    s = sub.add_parser("inspect", help=help_, description=help_)
     s.add_argument("checkpoint", type=_path, help="a checkpoint folder, a run's checkpoints/ folder or a run folder")
-    s = sub.add_parser("prepare-data", help="tokenize text files into a data folder")
-    s.add_argument("inputs", nargs="*", type=_path, help="text files or folders (default: the Python standard library)")
+    help_ = "tokenize text files into a data folder"
+    s = sub.add_parser("prepare-data", help=help_, description=help_ + " (each file one document, UTF-8 only)")
+    s.add_argument("inputs", nargs="*", type=_path, help="text files or folders (a folder: its *.txt, *.md and *.py "
+                   "files in any case, in subfolders too; default: the Python standard library)")
     s.add_argument("--out", type=_path, required=True, help="the data folder to write (an existing one is replaced)")
     s.add_argument("--vocab-size", type=int, default=None, help=f"of the BPE trained here (default {PREPARE_VOCAB_SIZE})")
     s.add_argument("--tokenizer", type=_path, default=None, help="an existing tokenizer.json instead of training a BPE")

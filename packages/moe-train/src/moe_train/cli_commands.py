@@ -85,7 +85,8 @@ def _cmd_prepare(args) -> None:
         out = prepare_data(docs, args.out, source=source, **passed)
     meta = json.loads((out / "meta.json").read_text())
     train, held_out = meta["splits"]["train"], meta["splits"]["eval"]
-    print(f"wrote {out}: {train['num_tokens']:,} train tokens ({train['num_docs']:,} documents), "
+    docs = f"{train['num_docs']:,} document{'' if train['num_docs'] == 1 else 's'}"
+    print(f"wrote {out}: {train['num_tokens']:,} train tokens ({docs}), "
           f"{held_out['num_tokens']:,} eval tokens ({held_out['num_docs']:,}), vocab_size={meta['vocab_size']}")
     # the model's vocabulary must hold every id the tokenizer emits, and the presets' is not the folder's
     print(f"train on it: moe-train train --data.path={shlex.quote(str(out))} --model.vocab_size={meta['vocab_size']}")
