@@ -52,3 +52,16 @@ def test_prepare_data_summary_counts_one_document_in_the_singular(tmp_path, caps
     assert cli.main(["prepare-data", str(tmp_path / "a.txt"), "--out", str(tmp_path / "data")]) == 0
     out = capsys.readouterr().out
     assert "train tokens (1 document)," in out, out
+
+
+def test_a_folder_gives_no_file_under_a_hidden_name_but_a_hidden_file_named_alone_is_read(tmp_path):
+    """A project folder's .venv (every installed package's *.py) or .git was tokenized with the project's text."""
+    (tmp_path / "doc.md").write_text("the project's own text")
+    for hidden in (".venv/lib/site.py", ".git/notes.txt", "sub/.cache/x.txt", "sub/.draft.md"):
+        (tmp_path / hidden).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / hidden).write_text(f"hidden {hidden}")
+    (tmp_path / "sub" / "kept.txt").write_text("kept")
+    assert sorted(text_file_documents([str(tmp_path)])) == ["kept", "the project's own text"]
+    assert list(text_file_documents([str(tmp_path / "sub" / ".draft.md")])) == ["hidden sub/.draft.md"]
+    # the input folder itself may have a hidden name
+    assert list(text_file_documents([str(tmp_path / ".git")])) == ["hidden .git/notes.txt"]

@@ -203,7 +203,8 @@ def _parser() -> _Parser:
     help_ = "tokenize text files into a data folder"
     s = sub.add_parser("prepare-data", help=help_, description=help_ + " (each file one document, UTF-8 only)")
     s.add_argument("inputs", nargs="*", type=_path, help="text files or folders (a folder: its *.txt, *.md and *.py "
-                   "files in any case, in subfolders too; default: the Python standard library)")
+                   "files in any case, in subfolders too, none under a hidden name; default: the Python standard "
+                   "library)")
     s.add_argument("--out", type=_path, required=True, help="the data folder to write (an existing one is replaced)")
     s.add_argument("--vocab-size", type=int, default=None, help=f"of the BPE trained here (default {PREPARE_VOCAB_SIZE})")
     s.add_argument("--tokenizer", type=_path, default=None, help="an existing tokenizer.json instead of training a BPE")

@@ -64,12 +64,15 @@ def _read_text(path: Path) -> str:
 
 def text_file_documents(paths: list[str]) -> Documents:
     """Each given file is one document, read when the documents are; folders contribute their *.txt, *.md and
-    *.py files, the suffix in any case (NOTES.TXT from Windows is text too). A file named twice (or both by name and
-    through its folder) is read once; a file that is not UTF-8 is refused. A missing path is refused at once."""
+    *.py files, the suffix in any case (NOTES.TXT from Windows is text too), but none under a hidden name (.venv,
+    .git, .ipynb_checkpoints: a project folder's virtual environment would give every installed package's source); a
+    hidden file named on its own is read. A file named twice (or both by name and through its folder) is read once; a
+    file that is not UTF-8 is refused. A missing path is refused at once."""
     files: dict[Path, Path] = {}  # resolved -> as given, in order
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted(q for q in p.rglob("*") if q.suffix.lower() in (".txt", ".md", ".py") and q.is_file())
+            found = sorted(q for q in p.rglob("*") if q.suffix.lower() in (".txt", ".md", ".py") and q.is_file()
+                           and not any(part.startswith(".") for part in q.relative_to(p).parts))
         elif p.is_file():
             found = [p]
         else:
