@@ -65,3 +65,35 @@ def test_a_folder_gives_no_file_under_a_hidden_name_but_a_hidden_file_named_alon
     assert list(text_file_documents([str(tmp_path / "sub" / ".draft.md")])) == ["hidden sub/.draft.md"]
     # the input folder itself may have a hidden name
     assert list(text_file_documents([str(tmp_path / ".git")])) == ["hidden .git/notes.txt"]
+
+
+def test_inspect_describes_an_import_hf_output_as_export_hf_reads_it(tmp_path, capsys):
+    """`moe-train inspect` of a model.safetensors + config.json folder (import-hf's output) was refused as holding no
+    checkpoint, while export-hf and train.init_from read it: it now lists the network and the tensors."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from moe_train.config import Config
+    from moe_train.config_io import config_from_dict
+    from moe_train.model import Transformer
+
+    d = Config().to_dict()
+    d["model"].update(num_layers=1, d_model=32, num_heads=2, num_kv_heads=2, num_experts=2, expert_hidden=32,
+                      vocab_size=300)
+    d["model"]["router"]["top_k"] = 1
+    cfg = config_from_dict(d)
+    folder = tmp_path / "imported"
+    folder.mkdir()
+    state = {k: v.contiguous() for k, v in Transformer(cfg.model).state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(cfg.to_dict()))
+    assert cli.main(["inspect", str(folder)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"model folder {folder}: {len(state)} tensors, ") and "import-hf" in out[0], out[0]
+    assert out[1] == "network: num_layers=1, d_model=32, num_experts=2, vocab_size=300", out[1]
+    assert any(line.split()[:1] == ["embed.weight"] and "(300, 32)" in line for line in out[2:]), out
+    (folder / "model.safetensors").write_bytes(b"not safetensors")
+    assert cli.main(["inspect", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moe-train: error: {str(folder)!r}: its config.json or model.safetensors cannot be read"), err

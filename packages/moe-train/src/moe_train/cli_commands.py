@@ -144,17 +144,47 @@ def _cmd_inspect(args) -> None:
     from moe_ckpt import format_checkpoint
     from moe_train.trainer.checkpoint import checkpoint_root, newest_checkpoint
 
-    expected = "expected a checkpoint folder (with index.json), a run's checkpoints/ folder or a run folder"
+    expected = ("expected a checkpoint folder (with index.json), a run's checkpoints/ folder, a run folder or a "
+                "model.safetensors + config.json folder")
     path = _existing_saved_run(args.checkpoint, expected)
     if not path.is_dir():
         raise NotADirectoryError(f"{args.checkpoint!r} is a file: {expected}")
     if checkpoint_root(path).is_dir():  # a run folder
         path = checkpoint_root(path)
+    if not _holds_checkpoint(path) and _is_model_folder(path):  # an import-hf output, which export-hf reads too
+        print(_format_model_folder(path))
+        return
     if not _holds_checkpoint(path):
         raise FileNotFoundError(f"{args.checkpoint!r} holds no checkpoint (no index.json, checkpoints/ or "
                                 f"metrics.jsonl): {expected}")
     path = newest_checkpoint(path) or path  # a checkpoints/ folder: its newest complete step, warning of later ones
     print(format_checkpoint(path, notes=_train_data_line))
+
+
+def _is_model_folder(folder: Path) -> bool:
+    return (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
+
+
+def _format_model_folder(folder: Path) -> str:
+    """inspect's summary of a model.safetensors + config.json folder (import-hf writes one): its network and tensors."""
+    from moe_ckpt import CheckpointError
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        model = config.get("model", {}) if isinstance(config, dict) else {}
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            tensors = {name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape())) for name in f.keys()}
+    except (OSError, ValueError, SafetensorError) as e:  # json's and safetensors' errors name no file
+        raise CheckpointError(f"{str(folder)!r}: its config.json or model.safetensors cannot be read ({e})") from None
+    network = ", ".join(f"{k}={model[k]}" for k in ("num_layers", "d_model", "num_experts", "vocab_size") if k in model)
+    lines = [f"model folder {folder}: {len(tensors)} tensors, "
+             f"{(folder / 'model.safetensors').stat().st_size / 1e9:.3f} GB (model.safetensors + config.json, as "
+             "import-hf writes; export-hf and train.init_from read it)",
+             f"network: {network or '(no model section in config.json)'}"]
+    width = max((len(n) for n in tensors), default=0)
+    lines += [f"  {name:<{width}}  {dtype:<9} {str(shape):<20}" for name, (dtype, shape) in tensors.items()]
+    return "\n".join(lines)
 
 
 def _train_data_line(metadata: dict) -> list[str]:
