@@ -202,7 +202,7 @@ class AllToAllDispatcher:
         # runs the same codec on rows of one width and dtype (agreed above), so a codec that is wrong is wrong on
         # all of them (one that fails on some ranks' rows only, as one raising inside decode, leaves the others
         # waiting in combine).
-        check_decoded_rows(received, num_recv, "N_recv")
+        check_decoded_rows(received, num_recv, x.shape[1], "N_recv")
         require_graph_kept(arrived, received, "codec.decode(received payload)")
 
         # Received rows come source-rank major; reorder to local-expert major (source rank within).

@@ -23,7 +23,10 @@ class PayloadCodec(Protocol):
     the N rows (any dtype and trailing shape, e.g. uint8 rows with their scales packed beside
     them), the same width and dtype on every rank. decode runs on the received rows and returns
     what the experts compute on. Gradients reach x only through what autograd can follow in
-    encode and decode (a lossy cast is fine; a uint8 bit pattern needs its own autograd Function).
+    encode and decode (a lossy cast is fine). An integer payload (a uint8 bit pattern) cannot carry a gradient
+    at all, whatever autograd Function makes it: it is refused while x requires grad. A floating-point payload
+    can (e.g. a straight-through Function whose values are rounded), but autograd hands its gradient back in the
+    payload's dtype, so the backward exchange of an fp8 payload carries fp8 gradients.
     """
 
     def encode(self, rows: torch.Tensor) -> Any: ...
@@ -87,13 +90,15 @@ def check_payload_rows(payload: Any, num_rows: int) -> None:
         raise ValueError(f"codec.encode must return a tensor of T*k={num_rows} rows, got {got}")
 
 
-def check_decoded_rows(decoded: Any, num_rows: int, rows_name: str = "T*k") -> None:
+def check_decoded_rows(decoded: Any, num_rows: int, d: int, rows_name: str = "T*k") -> None:
     """What codec.decode returned: the [num_rows, d] rows the experts compute on (T*k of them locally; the
-    received N_recv after an exchange)."""
-    if not isinstance(decoded, torch.Tensor) or decoded.dim() != 2 or decoded.shape[0] != num_rows:
+    received N_recv after an exchange), d being x's width: rows of another width reached the experts' GEMM."""
+    if (not isinstance(decoded, torch.Tensor) or decoded.dim() != 2 or decoded.shape[0] != num_rows
+            or decoded.shape[1] != d):
         got = tuple(decoded.shape) if isinstance(decoded, torch.Tensor) else type(decoded).__name__
         raise ValueError(
-            f"codec.decode must return the [{rows_name}={num_rows}, d] rows the experts compute on, got {got}"
+            f"codec.decode must return the [{rows_name}={num_rows}, d] rows the experts compute on (d={d}, x's width), "
+            f"got {got}"
         )
 
 
@@ -126,7 +131,7 @@ class LocalDispatcher:
         payload = self.codec.encode(rows)
         check_payload_rows(payload, route_map.num_rows)
         decoded = self.codec.decode(payload)
-        check_decoded_rows(decoded, route_map.num_rows)
+        check_decoded_rows(decoded, route_map.num_rows, x.shape[1])
         require_graph_kept(rows, decoded, "codec.decode(codec.encode(rows))")
         return DispatchResult(decoded, route_map.offsets, route_map, torch.zeros((), dtype=torch.int64, device=x.device))
 

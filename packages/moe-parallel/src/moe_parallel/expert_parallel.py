@@ -56,7 +56,8 @@ def apply_expert_parallel(
 
     Call on the whole model, with its seeded weights or on the meta device (then only shapes are
     sliced, and the caller allocates and initialises this rank's experts), before DDP / the optimizer see it.
-    With ep = 1 the experts stay whole and only the router's balancing group is set.
+    With ep = 1 the experts stay whole and, with the default transport and no capacity, only the router's
+    balancing group is set (the layer keeps its local dispatcher); a transport passed explicitly is installed at ep = 1 too.
     Returns the expert parameters' global shapes and row offsets (for checkpoints).
     transport: what builds each layer's dispatcher, called as AllToAllDispatcher is,
     `transport(groups.ep, num_experts, capacity_factor, codec=layer's codec)`; another transport
@@ -87,8 +88,10 @@ def apply_expert_parallel(
                                  f"expected num_experts={e} rows (one per expert)")
         # Capacity is a property of the all-to-all transport; the layer's payload codec (e.g. MXFP8 rows) moves to it.
         codec = getattr(layer.dispatcher, "codec", None)
+        # At ep = 1 the default transport would only add an exchange with itself (the layer keeps its fused local
+        # path); a transport the caller names is built at every ep, or it would be silently left out.
         dispatchers.append(transport(groups.ep, e, capacity_factor, codec=codec)
-                           if ep > 1 or capacity_factor > 0 else None)
+                           if ep > 1 or capacity_factor > 0 or transport is not AllToAllDispatcher else None)
     shards: dict[str, ExpertShard] = {}
     for (layer_name, layer), dispatcher in zip(layers, dispatchers):
         layer.router.lb_group = groups.dp
