@@ -262,3 +262,12 @@ def test_a_float8_payload_carries_its_gradient_back_in_float8_as_the_docstring_s
     want = torch.zeros_like(x).index_add(0, rm.sort_order, g.to(torch.float8_e4m3fn).float())  # top-1: one slot
     torch.testing.assert_close(gx, want, rtol=0, atol=0)
     assert not torch.equal(gx, torch.zeros_like(x).index_add(0, rm.sort_order, g))
+
+
+def test_token_dispatcher_is_checkable_with_isinstance():
+    """A transport author can ask whether an object implements the protocol (isinstance raised TypeError: the
+    Protocol was not runtime-checkable). It checks the members' presence only, as Python's protocols do."""
+    from moe_kernels import LocalDispatcher, TokenDispatcher
+
+    assert isinstance(LocalDispatcher(4), TokenDispatcher)
+    assert not isinstance(object(), TokenDispatcher)

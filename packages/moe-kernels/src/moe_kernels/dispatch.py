@@ -8,7 +8,7 @@ other transports (row-wise NVSHMEM) implement the same two calls.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -70,6 +70,7 @@ class DispatchResult:
     dropped: torch.Tensor
 
 
+@runtime_checkable
 class TokenDispatcher(Protocol):
     """What a transport implements. With more than one rank, dispatch and combine are collective
     over the transport's group: every rank calls them in the same order. A transport checks its

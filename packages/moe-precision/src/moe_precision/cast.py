@@ -2,9 +2,10 @@
 
 A master weight (fp32) is cast to the GEMM dtype (bf16) every forward; its gradient comes back in
 bf16 and must be cast up to fp32. torch's own cast for that direction (what autocast's and `.to()`'s
-backward run) is not vectorised: on an H200 it moved bf16 -> fp32 at 2.1 TB/s, a Triton kernel at
-3.95 TB/s (timed by hand; `bench/cast_bandwidth.py` reproduces it, see the moe-precision README). At 6.75B expert parameters that is
-~19 ms against ~10 ms of every training step. `cast_weight` does the forward cast with torch and the
+backward run) is not vectorised: on an H100 it moved bf16 -> fp32 at 1.95 TB/s, a Triton kernel at
+2.80 TB/s (`bench/cast_bandwidth.py`, `bench/results/h100_cast_bandwidth.json`; an H200 figure of 2.1 vs 3.95 TB/s
+was timed by hand and is unconfirmed, see the moe-precision README). At 6.75B expert parameters that is ~21 ms
+against ~14 ms of every training step on the H100. `cast_weight` does the forward cast with torch and the
 backward one with that kernel on CUDA (torch's `.to()` elsewhere: the reference).
 """
 
