@@ -142,6 +142,7 @@ def _resume_hint(cfg) -> str:
 
 def _cmd_inspect(args) -> None:
     from moe_ckpt import format_checkpoint
+    from moe_train.hf_bridge import hugging_face_model_type
     from moe_train.trainer.checkpoint import checkpoint_root, newest_checkpoint
 
     expected = ("expected a checkpoint folder (with index.json), a run's checkpoints/ folder, a run folder or a "
@@ -151,6 +152,10 @@ def _cmd_inspect(args) -> None:
         raise NotADirectoryError(f"{args.checkpoint!r} is a file: {expected}")
     if checkpoint_root(path).is_dir():  # a run folder
         path = checkpoint_root(path)
+    if not _holds_checkpoint(path) and hugging_face_model_type(path) is not None:  # what import-hf reads, not writes
+        raise FileNotFoundError(f"{args.checkpoint!r} is a Hugging Face model folder (config.json model_type="
+                                f"{hugging_face_model_type(path)!r}), not moe-train's: `moe-train import-hf "
+                                f"{args.checkpoint} OUT` converts it, then inspect OUT")
     if not _holds_checkpoint(path) and _is_model_folder(path):  # an import-hf output, which export-hf reads too
         print(_format_model_folder(path))
         return
@@ -172,7 +177,8 @@ def _format_model_folder(folder: Path) -> str:
 
     try:
         config = json.loads((folder / "config.json").read_text())
-        model = config.get("model", {}) if isinstance(config, dict) else {}
+        model = config.get("model") if isinstance(config, dict) else None
+        model = model if isinstance(model, dict) else {}  # {"model": null} too
         with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
             tensors = {name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape())) for name in f.keys()}
     except (OSError, ValueError, SafetensorError) as e:  # json's and safetensors' errors name no file

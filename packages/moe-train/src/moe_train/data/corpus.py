@@ -8,6 +8,7 @@ Python build (files are read in sorted order).
 from __future__ import annotations
 
 import sysconfig
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -65,14 +66,18 @@ def _read_text(path: Path) -> str:
 def text_file_documents(paths: list[str]) -> Documents:
     """Each given file is one document, read when the documents are; folders contribute their *.txt, *.md and
     *.py files, the suffix in any case (NOTES.TXT from Windows is text too), but none under a hidden name (.venv,
-    .git, .ipynb_checkpoints: a project folder's virtual environment would give every installed package's source); a
-    hidden file named on its own is read. A file named twice (or both by name and through its folder) is read once; a
+    .git, .ipynb_checkpoints: a project folder's virtual environment would give every installed package's source; a
+    warning says how many were left out); a hidden file named on its own is read. A file named twice (or both by name and through its folder) is read once; a
     file that is not UTF-8 is refused. A missing path is refused at once."""
     files: dict[Path, Path] = {}  # resolved -> as given, in order
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted(q for q in p.rglob("*") if q.suffix.lower() in (".txt", ".md", ".py") and q.is_file()
-                           and not any(part.startswith(".") for part in q.relative_to(p).parts))
+            found, hidden = [], []
+            for q in sorted(q for q in p.rglob("*") if q.suffix.lower() in (".txt", ".md", ".py") and q.is_file()):
+                (hidden if any(part.startswith(".") for part in q.relative_to(p).parts) else found).append(q)
+            if hidden:  # said, or a folder whose text is all under hidden names gives only '0 given'
+                warnings.warn(f"{str(p)!r}: {len(hidden)} text file{'' if len(hidden) == 1 else 's'} under a hidden "
+                              f"name left out (e.g. {hidden[0]}); a file named on its own is read")
         elif p.is_file():
             found = [p]
         else:

@@ -211,5 +211,6 @@ def check_no_checkpoints_after(run_dir: str | Path, start_step: int, resume: boo
         why = (f"this run resumes from step {start_step}" if resume and start_step > 0
                else "this run starts from step 0 (no resume)" if not resume else "no complete checkpoint was found")
         raise ConfigError(f"train.run_dir={run_dir}: {root}/{later[0]} exists but {why}; its checkpoints would go "
-                          f"among {', '.join(later)} (a save at one of those steps writes over it, and train.keep_last "
-                          "deletes by step number). Move those folders away or use a new train.run_dir")
+                          f"among {', '.join(later)} (a save at one of those steps fails, as the folder exists, after the "
+                          "steps before it are trained; train.keep_last, which keeps the highest step numbers, would "
+                          "delete this run's own saves first). Move those folders away or use a new train.run_dir")
