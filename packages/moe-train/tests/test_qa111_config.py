@@ -174,3 +174,24 @@ def test_an_moe_model_whose_dense_layers_cover_every_layer_warns_that_experts_do
         "model.shared_expert_hidden, model.shared_expert_gate and model.router.* have no effect; leave a layer out "
         "of model.dense_layers, or set model.num_experts=0 for a dense model")
     no_warning(preset="tiny", overrides={"model.dense_layers": "[0, 1, 2]"})  # layer 3 is an MoE layer
+
+
+@pytest.mark.parametrize("override,shown,expected", [
+    ("--model.dense_layers=[0x1]", "model.dense_layers[]=0x1", "an integer in decimal ASCII digits"),
+    ("--model.dense_layers=[0, 1_0]", "model.dense_layers[]=1_0", "an integer in decimal ASCII digits"),
+    ("--model.dense_layers=[０]", "model.dense_layers[]=０", "an integer in decimal ASCII digits"),
+    ("--model.router={top_k: 0b10}", "model.router.top_k=0b10", "an integer in decimal ASCII digits"),
+    ("--model.router={top_k: 2, expert_bias: -0}", "model.router.expert_bias=-0", "true or false"),
+])
+def test_numbers_inside_a_list_or_mapping_on_the_command_line_are_held_to_its_spelling(capsys, override, shown,
+                                                                                     expected):
+    """A number typed on the command line is decimal ASCII (QA 111), inside a list or mapping too: [0x1] was read as
+    [1]. The same text in a YAML file keeps YAML's reading, as a scalar field's does."""
+    line = error_line(capsys, ["info", override])
+    assert line.startswith(f"moe-train: error: {shown}: expected {expected}") and override in line, line
+
+
+def test_a_list_in_a_config_file_keeps_yamls_reading_of_its_numbers(capsys, tmp_path):
+    (tmp_path / "c.yaml").write_text("model:\n  dense_layers: [0x1]\n")
+    assert resolved(capsys, ["info", "--config", str(tmp_path / "c.yaml")])["model"]["dense_layers"] == [1]
+    assert resolved(capsys, ["info", "--model.dense_layers=[0, 1e0]"])["model"]["dense_layers"] == [0, 1]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 import typing
 import warnings
 from typing import Any
@@ -16,42 +15,15 @@ from moe_train.config import (
     NONE_IS_A_VALUE, REMOVED_FIELDS, Config, ConfigError, DataConfig, optional_inner, validate,
     warn_of_expert_settings_without_effect,
 )
-from moe_train.config_fields import EXPECTED, EXPECTED_LIST, field_annotation, field_kind
+from moe_train.config_fields import (
+    EXPECTED, EXPECTED_LIST, NULL_WORDS, TEXT_EXPECTED, TRUE_WORDS, field_annotation, field_kind, text_fits,
+)
 from moe_train.config_yaml import load_yaml, read_yaml, yaml_error
 from moe_train.presets import get_preset
 
 
 def _field_types(obj: Any) -> dict[str, Any]:
     return typing.get_type_hints(type(obj))
-
-
-# the words YAML 1.1 reads as booleans (any case), and 1 / 0
-TRUE_WORDS = ("true", "1", "yes", "on")
-FALSE_WORDS = ("false", "0", "no", "off")
-NULL_WORDS = ("~", "null", "none")  # YAML's null, and Python's spelling of it
-
-
-# The text a number field takes from the command line, or as a string from a YAML file (README "Config"): decimal
-# ASCII only. YAML (and Python's int() and float()) would also take 0x10, 0b101, 1_000 and full-width digits (５):
-# one spelling per number keeps a typo from becoming a value. A whole number in e-notation (1e3) is an integer, as a
-# whole float in a file is. The words for inf and nan reach validate, which names them as not finite.
-NUMBER_TEXT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
-NON_FINITE_TEXT = re.compile(r"[+-]?\.?(inf|infinity|nan)", re.IGNORECASE)
-# what such text must be, in words (bool: TRUE_WORDS / FALSE_WORDS, any case: -0 or 0x1 is no boolean)
-_TEXT_EXPECTED: dict[Any, str] = {
-    int: "an integer in decimal ASCII digits with an optional sign (1000, -3; 1e3 is 1000)",
-    float: "a number in decimal ASCII notation (0.003, 3e-3, 2)",
-    bool: "true or false (or yes/no, on/off, 1/0)",
-}
-
-
-def _text_fits(annotation: Any, text: str) -> bool:
-    """Whether `text` is written as the number or boolean field of this type takes it (README "Config")."""
-    if annotation is bool:
-        return text.lower() in TRUE_WORDS + FALSE_WORDS
-    if annotation is float and NON_FINITE_TEXT.fullmatch(text):
-        return True
-    return NUMBER_TEXT.fullmatch(text) is not None
 
 
 def _is_null(raw: Any) -> bool:
@@ -76,17 +48,17 @@ def _coerce(name: str, raw: Any, annotation: Any) -> Any:
             return raw
         if isinstance(raw, int) and raw in (0, 1):
             return bool(raw)
-        if isinstance(raw, str) and _text_fits(bool, raw):
+        if isinstance(raw, str) and text_fits(bool, raw):
             return raw.lower() in TRUE_WORDS
-        expected = _TEXT_EXPECTED[bool] if isinstance(raw, str) else EXPECTED[bool]
+        expected = TEXT_EXPECTED[bool] if isinstance(raw, str) else EXPECTED[bool]
         raise ConfigError(f"{name}={raw!r}: expected {expected}")
     if annotation is int:
         return _integer(name, raw)
     if annotation is float:
         if isinstance(raw, bool):
             raise ConfigError(f"{name}={raw!r}: expected {EXPECTED[float]}")
-        if isinstance(raw, str) and not _text_fits(float, raw):  # float() takes '1_0' and full-width digits
-            raise ConfigError(f"{name}={raw!r}: expected {_TEXT_EXPECTED[float]}")
+        if isinstance(raw, str) and not text_fits(float, raw):  # float() takes '1_0' and full-width digits
+            raise ConfigError(f"{name}={raw!r}: expected {TEXT_EXPECTED[float]}")
         try:
             return float(raw)
         except (TypeError, ValueError, OverflowError):  # OverflowError: an int past float's range
@@ -106,8 +78,8 @@ def _integer(name: str, raw: Any) -> int:
     if isinstance(raw, int) and not isinstance(raw, bool):
         return raw
     if isinstance(raw, str):  # a quoted YAML string, or text YAML reads as none of its numbers (1e3)
-        if not _text_fits(int, raw):  # int() takes ' 5', '1_000' and full-width digits
-            raise ConfigError(f"{name}={raw!r}: expected {_TEXT_EXPECTED[int]}")
+        if not text_fits(int, raw):  # int() takes ' 5', '1_000' and full-width digits
+            raise ConfigError(f"{name}={raw!r}: expected {TEXT_EXPECTED[int]}")
         try:
             return int(raw)
         except ValueError:
@@ -170,16 +142,16 @@ def read_override(dotted: str, text: str) -> Any:
         null = " (`null` for none)" if optional_inner(annotation) is not None else ""
         raise ConfigError(f"{where}: the value is empty; expected {field_kind(annotation)}{null}")
     try:
-        value = read_yaml(text, dotted, where)
+        value = read_yaml(text, dotted, where, typed=True)
     except yaml.YAMLError as e:
         raise yaml_error(where, e) from None
     # YAML's numbers beyond decimal ASCII (0x10, 0b101, 1_000) and -0 or +1 for a boolean are refused as typed;
     # a list, a mapping or a null is judged by _coerce, as in a file
     scalar = optional_inner(annotation) or annotation
-    if scalar in _TEXT_EXPECTED and not isinstance(value, (list, dict)) and not _is_null(value) \
-            and not _text_fits(scalar, text):
+    if scalar in TEXT_EXPECTED and not isinstance(value, (list, dict)) and not _is_null(value) \
+            and not text_fits(scalar, text):
         shown = repr(text) if isinstance(value, str) else text  # quoted as a string is in _coerce's errors
-        raise ConfigError(f"{dotted}={shown}: expected {_TEXT_EXPECTED[scalar]}")
+        raise ConfigError(f"{dotted}={shown}: expected {TEXT_EXPECTED[scalar]}")
     return value
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from moe_train.config import ConfigError, optional_inner
-from moe_train.config_fields import field_annotation, field_kind
+from moe_train.config_fields import TEXT_EXPECTED, field_annotation, field_kind, text_fits
 
 # integers YAML 1.1 reads in a base nobody means in a config: 0710 (octal 456), 12:30 (base 60: 750)
 _YAML_1_1_NUMBER = re.compile(r"[-+]?0[0-7_]+|[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?")
@@ -24,15 +24,17 @@ def _refuse_yaml_1_1_number(loader: yaml.SafeLoader, node: yaml.ScalarNode, dott
                       "write the number in decimal digits")
 
 
-def _refuse_silent_rewrites(loader: yaml.SafeLoader, node: yaml.Node, dotted: str, where: str, seen: set[int]) -> None:
+def _refuse_silent_rewrites(loader: yaml.SafeLoader, node: yaml.Node, dotted: str, where: str, seen: set[int],
+                            typed_root: str | None = None) -> None:
     """What yaml.safe_load accepts without a word but a config must not, in the value `node` of config key
     `dotted` ("" for a whole file; where: the file or override named in errors): a key twice in one mapping
     (the last would win), and an unquoted scalar YAML 1.1 reads as a number, boolean or date where the field
     is a string (`run_dir: 0710` is the octal 456, `12:30` the sexagesimal 750, `1.50` is 1.5), or as an
-    octal or base-60 number where it is a number."""
+    octal or base-60 number where it is a number. typed_root: the key of a command-line override, whose numbers
+    and booleans inside a list or mapping are held to the spelling the override's own value is (TEXT_EXPECTED)."""
     if isinstance(node, yaml.ScalarNode):
         if dotted:  # checked at each key it stands for (an alias may stand for fields of two types)
-            _refuse_silent_scalar(loader, node, dotted, where)
+            _refuse_silent_scalar(loader, node, dotted, where, typed_root)
         return
     if id(node) in seen:  # an alias of a list or mapping: checked where its anchor is
         return
@@ -40,9 +42,9 @@ def _refuse_silent_rewrites(loader: yaml.SafeLoader, node: yaml.Node, dotted: st
     if isinstance(node, yaml.SequenceNode):
         for item in node.value:
             if isinstance(item, yaml.ScalarNode):
-                _refuse_silent_scalar(loader, item, f"{dotted}[]", where)
+                _refuse_silent_scalar(loader, item, f"{dotted}[]", where, typed_root)
             else:
-                _refuse_silent_rewrites(loader, item, f"{dotted}[]", where, seen)
+                _refuse_silent_rewrites(loader, item, f"{dotted}[]", where, seen, typed_root)
         return
     if not isinstance(node, yaml.MappingNode):
         return
@@ -50,7 +52,7 @@ def _refuse_silent_rewrites(loader: yaml.SafeLoader, node: yaml.Node, dotted: st
     lines: dict[str, int] = {}
     for key_node, value_node in node.value:
         if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden by the keys beside it
-            _refuse_silent_rewrites(loader, value_node, dotted, where, seen)
+            _refuse_silent_rewrites(loader, value_node, dotted, where, seen, typed_root)
             continue
         key, line = str(key_node.value), key_node.start_mark.line + 1
         if isinstance(key_node, yaml.ScalarNode):
@@ -58,16 +60,19 @@ def _refuse_silent_rewrites(loader: yaml.SafeLoader, node: yaml.Node, dotted: st
                 raise ConfigError(f"{where}: duplicate key {prefix + key!r} at line {line} (first at line "
                                   f"{lines[key]}): YAML would keep only the last; delete one")
             lines[key] = line
-        _refuse_silent_rewrites(loader, value_node, f"{prefix}{key}", where, seen)
+        _refuse_silent_rewrites(loader, value_node, f"{prefix}{key}", where, seen, typed_root)
 
 
 _YAML_NULL_TAG, _YAML_BOOL_TAG, _YAML_DATE_TAG = (f"tag:yaml.org,2002:{t}" for t in ("null", "bool", "timestamp"))
 
 
-def _refuse_silent_scalar(loader: yaml.SafeLoader, node: yaml.ScalarNode, dotted: str, where: str) -> None:
+def _refuse_silent_scalar(loader: yaml.SafeLoader, node: yaml.ScalarNode, dotted: str, where: str,
+                          typed_root: str | None = None) -> None:
     """Also an empty value, a YAML boolean or a date where the field takes none of them, named as typed: the
     error would show the value YAML made of it (`train.steps=None` for an empty `steps:`, `train.steps=True` for
-    `steps: yes`, `datetime.date(2024, 1, 1)`). A null typed as such (`~`, `null`) is left to _coerce."""
+    `steps: yes`, `datetime.date(2024, 1, 1)`). A null typed as such (`~`, `null`) is left to _coerce. Inside a
+    command-line override (typed_root; its own value is read_override's to check), an unquoted number or boolean
+    of a number or boolean field in another spelling than TEXT_EXPECTED's (`[0x1]`, `{top_k: 1_0}`)."""
     annotation = field_annotation(dotted)
     is_string = str in (annotation, optional_inner(annotation))
     read_as = _YAML_READ_AS.get(node.tag)
@@ -82,6 +87,10 @@ def _refuse_silent_scalar(loader: yaml.SafeLoader, node: yaml.ScalarNode, dotted
     if annotation is None or (node.tag == _YAML_NULL_TAG and (optional_inner(annotation) is not None
                                                               or dotted == "preset")):
         return  # a key that is no field (set_field names it), or a null where one is taken (`preset:` is tiny)
+    scalar = optional_inner(annotation) or annotation
+    if (typed_root is not None and dotted != typed_root and node.style is None and node.tag != _YAML_NULL_TAG
+            and scalar in TEXT_EXPECTED and not text_fits(scalar, node.value)):
+        raise ConfigError(f"{dotted}={node.value}: expected {TEXT_EXPECTED[scalar]} (in {where})")
     expected = field_kind(annotation)
     at = f"{where}, line {node.start_mark.line + 1}"
     if node.tag == _YAML_NULL_TAG and not node.value:
@@ -93,14 +102,15 @@ def _refuse_silent_scalar(loader: yaml.SafeLoader, node: yaml.ScalarNode, dotted
                           f"{at})")
 
 
-def read_yaml(text: str, dotted: str, where: str) -> Any:
-    """The value YAML reads from `text` (None for an empty one), after _refuse_silent_rewrites."""
+def read_yaml(text: str, dotted: str, where: str, typed: bool = False) -> Any:
+    """The value YAML reads from `text` (None for an empty one), after _refuse_silent_rewrites; typed: `text` is
+    a command-line override's value, whose nested numbers and booleans are held to the command line's spelling."""
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
         if node is None:
             return None
-        _refuse_silent_rewrites(loader, node, dotted, where, set())
+        _refuse_silent_rewrites(loader, node, dotted, where, set(), dotted if typed else None)
         try:
             return loader.construct_document(node)
         except ValueError as e:  # a scalar of YAML's date pattern no calendar holds, under a key that is no field
