@@ -23,6 +23,7 @@ from torch import nn
 
 from moe_train.config import Config, ModelConfig
 from moe_train.config_io import ConfigError, validate
+from moe_precision import PrecisionRecipe
 from moe_train.model import Transformer
 
 CFG = ModelConfig(vocab_size=64, d_model=16, num_layers=3, num_heads=2, num_kv_heads=1, dense_hidden=32,
@@ -142,12 +143,14 @@ class Marked(nn.Linear):
         return super().forward(x)
 
 
-class StandInRecipe:
-    """A precision recipe being built (Transformer's docstring: "another recipe object ... plugs in here"): fp32
-    GEMMs, expert weights passed through a hook that counts the gradients coming back."""
+@dataclasses.dataclass(frozen=True)
+class StandInRecipe(PrecisionRecipe):
+    """A precision recipe being built (Transformer's docstring: a PrecisionRecipe subclass plugs in there): fp32
+    GEMMs, expert weights passed through a hook that counts the gradients coming back; the expert FFN is the
+    inherited expert_ffn / fused_moe_ffn, which take the weights through gemm_weight."""
 
-    def __init__(self):
-        self.weights, self.grads = [], 0
+    weights: list = dataclasses.field(default_factory=list)
+    grads: list = dataclasses.field(default_factory=list)
 
     def linear(self, in_features: int, out_features: int, bias: bool = False) -> nn.Module:
         return Marked(in_features, out_features, bias=bias)
@@ -158,11 +161,8 @@ class StandInRecipe:
     def gemm_weight(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         self.weights.append(tuple(w.shape))
         out = w * 1.0
-        out.register_hook(self._count)
+        out.register_hook(lambda grad: self.grads.append(1))
         return out
-
-    def _count(self, grad):
-        self.grads += 1
 
 
 def test_a_recipe_object_builds_every_linear_and_feeds_the_expert_gemms_both_ways():
@@ -177,7 +177,7 @@ def test_a_recipe_object_builds_every_linear_and_feeds_the_expert_gemms_both_way
     n_moe = len(moe_layers(m))
     assert Marked.forwards == sum(isinstance(mod, Marked) for mod in m.modules())
     assert recipe.weights == [(4, 16, 16), (4, 8, 16)] * n_moe
-    assert recipe.grads == 2 * n_moe  # both expert weights' gradients came back through the recipe's cast
+    assert len(recipe.grads) == 2 * n_moe  # both expert weights' gradients came back through the recipe's cast
     torch.testing.assert_close(loss, loss_and_grads(model(), tokens, autocast=False)[0], rtol=1e-6, atol=1e-7)
 
 

@@ -1,7 +1,9 @@
 """Precision recipes: the one place the linear and expert modules ask which number format to use.
 
 Only "bf16" (autocast / native-dtype GEMMs with fp32 master weights upstream) exists today.
-"mxfp8" is reserved: it names the seam MXFP8 GEMMs will plug into, and is refused until built.
+"mxfp8" is reserved: it names the seam MXFP8 GEMMs will plug into, and is refused until built. A recipe owns
+the dense layers (`linear`) and the expert FFN's GEMMs (`expert_ffn`, `fused_moe_ffn`): an MXFP8 recipe
+replaces those to quantise rows and weights and run its own grouped GEMMs.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_kernels import RouteMap, moe_ffn, swiglu_experts
 from moe_precision.cast import cast_weight
 
 KNOWN_RECIPES = ("bf16",)
@@ -43,6 +46,21 @@ class PrecisionRecipe:
         """Weight w as the GEMM with input x consumes it (expert_gemm_dtype), differentiable, its
         gradient cast back to w's dtype by a fast kernel (cast.cast_weight)."""
         return cast_weight(w, self.expert_gemm_dtype(x))
+
+    def expert_ffn(self, rows: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, offsets: torch.Tensor,
+                   backend: str = "auto") -> torch.Tensor:
+        """The SwiGLU expert FFN over dispatched rows [N, d] in expert order (offsets: each expert's end row)
+        -> [N, d]: moe_kernels.swiglu_experts, with both weights as this recipe's GEMMs consume them."""
+        return swiglu_experts(rows, self.gemm_weight(w_gate_up, rows), self.gemm_weight(w_down, rows), offsets,
+                              backend)
+
+    def fused_moe_ffn(self, x: torch.Tensor, route_map: RouteMap, router_weights: torch.Tensor,
+                      w_gate_up: torch.Tensor, w_down: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+        """The whole expert block of tokens x [T, d] whose experts are all local: gather by route_map, the SwiGLU
+        expert FFN, combine with router_weights [T, k] -> [T, d] (moe_kernels.moe_ffn, the gather and the
+        combine fused into the GEMMs), with both weights as this recipe's GEMMs consume them."""
+        return moe_ffn(x, route_map, router_weights, self.gemm_weight(w_gate_up, x), self.gemm_weight(w_down, x),
+                       backend)
 
 
 class Bf16Linear(nn.Linear):

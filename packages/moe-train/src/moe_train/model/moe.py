@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe_kernels import IdentityCodec, LocalDispatcher, TokenDispatcher, build_route_map, moe_ffn, swiglu_experts
+from moe_kernels import IdentityCodec, LocalDispatcher, TokenDispatcher, build_route_map
 from moe_precision import PrecisionRecipe
 from moe_train.config import ConfigError, ModelConfig, validate_model
 from moe_train.model.layers import SwiGLU
@@ -49,17 +49,16 @@ class MoELayer(nn.Module):
         flat = x.reshape(-1, shape[-1])
         routed = self.router(flat)
         route_map = build_route_map(routed.expert_ids, self.num_experts)
-        dtype = self.recipe.expert_gemm_dtype(flat)
-        w1 = self.recipe.gemm_weight(self.experts.w_gate_up, flat)  # in `dtype`; the gradient cast back fast
-        w2 = self.recipe.gemm_weight(self.experts.w_down, flat)
+        rows = flat.to(self.recipe.expert_gemm_dtype(flat))
+        w1, w2 = self.experts.w_gate_up, self.experts.w_down  # the recipe casts them as its GEMMs consume them
         d = self.dispatcher
         if type(d) is LocalDispatcher and type(d.codec) is IdentityCodec:
             # all experts here and nothing to encode: the fused block (gather, SwiGLU, combine in the GEMMs). The
             # exact types: a subclass may override dispatch, combine or the codec's calls, and must be run
-            out = moe_ffn(flat.to(dtype), route_map, routed.weights, w1, w2, self.gemm_backend)
+            out = self.recipe.fused_moe_ffn(rows, route_map, routed.weights, w1, w2, self.gemm_backend)
         else:
-            result = d.dispatch(flat.to(dtype), route_map)
-            expert_out = swiglu_experts(result.rows, w1, w2, result.offsets, self.gemm_backend)
+            result = d.dispatch(rows, route_map)
+            expert_out = self.recipe.expert_ffn(result.rows, w1, w2, result.offsets, self.gemm_backend)
             out = d.combine(expert_out, result, routed.weights)
             self.router.record_dropped(result.dropped)  # rows past a capacity: counted in the layer's health
         if self.shared_expert is not None:

@@ -86,7 +86,8 @@ class Transformer(nn.Module):
         """device="meta": shapes only, no memory and no initialisation; a runtime slices it for
         its rank, materialises it on its device and calls reset_parameters(seed, ...).
         recipe: the precision recipe of every dense linear layer and expert GEMM; PrecisionRecipe(cfg.precision)
-        when None (another recipe object, e.g. one being built, plugs in here)."""
+        when None (a PrecisionRecipe subclass, e.g. one being built, plugs in here: its linear, expert_gemm_dtype,
+        gemm_weight, expert_ffn and fused_moe_ffn are what the model calls)."""
         super().__init__()
         # Checked before anything is allocated: a bad field otherwise ran silently (an odd rotary dim, more kv heads
         # than heads) or failed deep inside a forward with a shape error.
