@@ -300,10 +300,9 @@ def _build_config_warning_once(args, overrides: dict[str, str]):
         shown = args.command == "info" or launched_world_size() <= 1 or launched_rank() == 0  # info: no torchrun
     except ConfigError:
         shown = True
-    if shown:
-        return build_config(args.preset, args.config, overrides)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        if not shown:
+            warnings.simplefilter("ignore")
         return build_config(args.preset, args.config, overrides)
 
 

@@ -152,14 +152,15 @@ def _cmd_inspect(args) -> None:
         raise NotADirectoryError(f"{args.checkpoint!r} is a file: {expected}")
     if checkpoint_root(path).is_dir():  # a run folder
         path = checkpoint_root(path)
-    if not _holds_checkpoint(path) and hugging_face_model_type(path) is not None:  # what import-hf reads, not writes
-        raise FileNotFoundError(f"{args.checkpoint!r} is a Hugging Face model folder (config.json model_type="
-                                f"{hugging_face_model_type(path)!r}), not moe-train's: `moe-train import-hf "
-                                f"{args.checkpoint} OUT` converts it, then inspect OUT")
-    if not _holds_checkpoint(path) and _is_model_folder(path):  # an import-hf output, which export-hf reads too
-        print(_format_model_folder(path))
-        return
     if not _holds_checkpoint(path):
+        model_type = hugging_face_model_type(path)
+        if model_type is not None:  # what import-hf reads, not what it writes
+            raise FileNotFoundError(f"{args.checkpoint!r} is a Hugging Face model folder (config.json model_type="
+                                    f"{model_type!r}), not moe-train's: `moe-train import-hf {args.checkpoint} OUT` "
+                                    "converts it, then inspect OUT")
+        if _is_model_folder(path):  # an import-hf output, which export-hf reads too
+            print(_format_model_folder(path))
+            return
         raise FileNotFoundError(f"{args.checkpoint!r} holds no checkpoint (no index.json, checkpoints/ or "
                                 f"metrics.jsonl): {expected}")
     path = newest_checkpoint(path) or path  # a checkpoints/ folder: its newest complete step, warning of later ones
