@@ -43,8 +43,7 @@ def eval_blocks(num_tokens: int, eval_fraction: float, block: int) -> tuple[int,
     passes an integer, c = ceil(q / 2p) - 1, so 1/n holds out every n-th block from block n//2 on, and 0.3 three
     in ten. Returns the block size (a small corpus gets smaller ones, still spread over all of it: at least two
     blocks of each split where the corpus has the tokens) and, per block, whether it is held out."""
-    share = Fraction(eval_fraction).limit_denominator(10**6)
-    p, q = share.numerator, share.denominator
+    p, q = _held_out_share(eval_fraction)
     every = max(2, -(-q // min(p, q - p)))  # blocks per held-out (or kept, above 1/2) block, rounded up
     if num_tokens < 2 * every * block:
         block = max(1, num_tokens // (2 * every))
@@ -59,6 +58,16 @@ def eval_blocks(num_tokens: int, eval_fraction: float, block: int) -> tuple[int,
                         f"hold out an eval split ({eval_fraction:g} of the blocks of tokens); give prepare-data "
                         f"more text")
     return block, is_eval
+
+
+def _held_out_share(eval_fraction: float) -> tuple[int, int]:
+    """eval_fraction as p/q, q <= 10^6, 0 < p < q; refused where it rounds to none of the blocks or to all of them
+    (below 5e-7 or that close to 1: eval_blocks would divide by zero)."""
+    share = Fraction(eval_fraction).limit_denominator(10**6)
+    if not 0 < share < 1:
+        raise DataError(f"eval_fraction={eval_fraction!r}: expected between 1e-06 and 1 - 1e-06, the share of blocks "
+                        f"held out for eval (counted in millionths; this one rounds to {share})")
+    return share.numerator, share.denominator
 
 
 def _split_stream_file(stream: Path, num_tokens: int, folder: Path, eval_fraction: float,
@@ -251,6 +260,7 @@ def prepare_data(
         raise DataError(f"eos_token={eos_token!r} without a tokenizer: the BPE trained here ends documents with {EOS!r}")
     if not 0 < eval_fraction < 1:  # eval_blocks holds out every round(1 / eval_fraction)-th block
         raise DataError(f"eval_fraction={eval_fraction!r}: expected in (0, 1), the share of tokens held out for eval")
+    _held_out_share(eval_fraction)  # one that rounds to no block: refused before tokenizing, not at the split
     out = Path(os.path.abspath(out)) if Path(out).name in ("", "..") else Path(out)  # "--out ." has a name to rename
     if tokenizer_path is None and iter(docs) is docs:
         raise TypeError(f"docs is a one-shot iterator ({type(docs).__name__}), and training a BPE reads the documents "
