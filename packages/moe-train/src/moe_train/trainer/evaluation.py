@@ -21,7 +21,8 @@ def mean_eval_loss(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Ten
     dp_rank % batches) and counts nothing. `amp()` is the autocast context of the training forwards."""
     device = runtime.device
     rounds = -(-len(batches) // runtime.dp_size)
-    total = torch.zeros(2, device=device)  # sum of batch-mean losses x scored targets, scored targets
+    # sum of batch-mean losses x scored targets, scored targets: float64, so the count stays exact past 2^24 targets
+    total = torch.zeros(2, dtype=torch.float64, device=device)
     model.eval()
     # random routing draws from a copy of the generators here: how often a run evaluates leaves its training
     # draws, losses and weights as they are
@@ -35,8 +36,8 @@ def mean_eval_loss(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Ten
             if index < len(batches):
                 # weighted by the targets the batch scores (a -100 target is left out of ce's mean), so the result
                 # is the token-weighted mean whatever the batching; a batch of only -100 (ce NaN) adds nothing
-                scored = (y != IGNORED_TARGET).sum().float()
-                total[0] += torch.where(scored > 0, ce.float() * scored, 0.0)
+                scored = (y != IGNORED_TARGET).sum().double()
+                total[0] += torch.where(scored > 0, ce.double() * scored, 0.0)
                 total[1] += scored
     model.train()
     total = runtime.all_reduce_sum(total).tolist()
