@@ -49,3 +49,10 @@ class SignalAtStep2(LocalRuntime):
         if self.steps == 2:
             os.kill(os.getpid(), self.signum)
         return result
+
+
+def pytest_configure(config):
+    """The marks these tests use, registered here too: the package's tests run alone (an sdist, a
+    copy in another repository, `--strict-markers`) without the monorepo's pytest config."""
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped cleanly without one)")
+    config.addinivalue_line("markers", "slow: multi-process or long tests")
