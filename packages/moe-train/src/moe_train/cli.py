@@ -197,10 +197,12 @@ def _parser() -> _Parser:
     s = sub.add_parser("import-hf", help=help_, description=help_)
     s.add_argument("folder", type=_path, help="a Hugging Face model folder (config.json and safetensors)")
     s.add_argument("out", type=_path, help="the folder to write config.json, model.safetensors and hf_extra.json into")
-    help_ = "list a checkpoint's tensors, shapes and the layout that wrote it"
+    help_ = ("list a checkpoint's tensors, shapes and the layout that wrote it; or describe a model folder or a "
+             "data folder")
     s = sub.add_parser("inspect", help=help_, description=help_)
     s.add_argument("checkpoint", type=_path, help="a checkpoint folder, a run's checkpoints/ folder, a run folder, "
-                   "or a model.safetensors + config.json folder (an import-hf output)")
+                   "a model.safetensors + config.json folder (an import-hf output), or a data folder (a "
+                   "prepare-data output)")
     help_ = "tokenize text files into a data folder"
     s = sub.add_parser("prepare-data", help=help_, description=help_ + " (each file one document, UTF-8 only)")
     s.add_argument("inputs", nargs="*", type=_path, help="text files or folders (a folder: its *.txt, *.md and *.py "

@@ -145,8 +145,8 @@ def _cmd_inspect(args) -> None:
     from moe_train.hf_bridge import hugging_face_model_type
     from moe_train.trainer.checkpoint import checkpoint_root, newest_checkpoint
 
-    expected = ("expected a checkpoint folder (with index.json), a run's checkpoints/ folder, a run folder or a "
-                "model.safetensors + config.json folder")
+    expected = ("expected a checkpoint folder (with index.json), a run's checkpoints/ folder, a run folder, a "
+                "model.safetensors + config.json folder or a data folder (with meta.json)")
     path = _existing_saved_run(args.checkpoint, expected)
     if not path.is_dir():
         raise NotADirectoryError(f"{args.checkpoint!r} is a file: {expected}")
@@ -161,8 +161,11 @@ def _cmd_inspect(args) -> None:
         if _is_model_folder(path):  # an import-hf output, which export-hf reads too
             print(_format_model_folder(path))
             return
+        if (path / "meta.json").is_file():  # a data folder prepare-data wrote
+            print(_format_data_folder(path))
+            return
         raise FileNotFoundError(f"{args.checkpoint!r} holds no checkpoint (no index.json, checkpoints/ or "
-                                f"metrics.jsonl): {expected}")
+                                f"metrics.jsonl) and no data (no meta.json): {expected}")
     path = newest_checkpoint(path) or path  # a checkpoints/ folder: its newest complete step, warning of later ones
     print(format_checkpoint(path, notes=_train_data_line))
 
@@ -191,6 +194,31 @@ def _format_model_folder(folder: Path) -> str:
              f"network: {network or '(no model section in config.json)'}"]
     width = max((len(n) for n in tensors), default=0)
     lines += [f"  {name:<{width}}  {dtype:<9} {str(shape):<20}" for name, (dtype, shape) in tensors.items()]
+    return "\n".join(lines)
+
+
+def _format_data_folder(folder: Path) -> str:
+    """inspect's summary of a data folder: where its tokens came from, its tokenizer and each split, opened as a run
+    opens it (the files' sizes against meta.json, the recorded largest ids against its vocab_size)."""
+    from moe_train.data.token_file import DIGEST, open_data, read_meta
+
+    meta, splits = open_data(folder, read_meta(folder / "meta.json")["vocab_size"])
+    tokenizer = meta.get("tokenizer")
+    shipped = isinstance(tokenizer, str) and (folder / tokenizer).is_file()
+    lines = [f"data folder {folder} ({meta['format']}, as prepare-data writes; train --data.path reads it)",
+             f"source: {meta.get('source', '(not recorded)')}",
+             f"tokenizer: {tokenizer if shipped else '(none in the folder)'}, vocab_size={meta['vocab_size']}, "
+             f"eos_id={meta['eos_id']}"]
+    for name, split in splits.items():
+        recorded = meta["splits"][name]
+        docs = recorded.get("num_docs")
+        docs = docs if isinstance(docs, int) and not isinstance(docs, bool) else split.doc_ends.size  # older folders
+        top, digest = recorded.get("max_token_id"), recorded.get("digest")
+        lines.append(f"{name}: {split.tokens.size:,} tokens, {docs:,} document{'' if docs == 1 else 's'}, largest id "
+                     f"{top if isinstance(top, int) else '(not recorded)'}, digest "
+                     f"{digest[:len(DIGEST) + 12] + '…' if digest else '(not recorded)'}")
+    lines.append(f"train on it: moe-train train --data.path={shlex.quote(str(folder))} "
+                 f"--model.vocab_size={meta['vocab_size']}")
     return "\n".join(lines)
 
 

@@ -107,7 +107,7 @@ def _shown(d: object, key: str) -> str:
     return repr(d[key]) if isinstance(d, dict) and key in d else "(missing)"
 
 
-def _read_meta(path: Path) -> dict:
+def read_meta(path: Path) -> dict:
     """meta.json, checked for the keys and types a data folder needs (see the module docstring)."""
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
@@ -159,7 +159,7 @@ def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, Toke
     meta_path = root / "meta.json"
     if not meta_path.is_file():
         raise DataError(f"data.path={str(root)!r} has no meta.json: expected a folder written by `moe-train prepare-data`")
-    meta = _read_meta(meta_path)
+    meta = read_meta(meta_path)
     if meta["vocab_size"] > vocab_size:  # before any token is read: a scan of a large corpus takes minutes
         raise DataError(f"{meta_path}: the data was tokenized with vocab_size={meta['vocab_size']}, larger than "
                         f"model.vocab_size={vocab_size}: the model cannot embed ids its tokenizer.json emits; "
