@@ -217,8 +217,16 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--commit", default=None, help="commit to record when the tree has no .git (device copies)")
     p.add_argument("--trace", default=None, help="write a chrome trace of ours (torch GEMMs) to this path (first shape, first E) and exit")
+    p.add_argument("--judge", default=None, help="print the tables and the verdicts of a results JSON written "
+                   "by --out, and exit (no GPU needed)")
     p.add_argument("--profile", action="store_true", help="print per-kernel CUDA time of one iteration of ours (first shape, first E)")
     args = p.parse_args()
+    if args.judge:
+        result = json.loads(Path(args.judge).read_text())
+        print(f"{args.judge}: {result.get('gpu')}, torch {result.get('torch')}, triton {result.get('triton')}, "
+              f"commit {result.get('commit')}")
+        report(result["rows"], [m for m in args.methods.split(",") if m in result["rows"][0]], args.back_to_back)
+        return
     methods = args.methods.split(",")
     if args.trace:
         trace(args.shapes.split(",")[0], int(args.experts.split(",")[0]), args.trace)
@@ -243,7 +251,12 @@ def main():
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
-    for col, title in (("tflops", "one call per sample"), ("tflops_back_to_back", f"{args.back_to_back} calls back to back per sample")):
+    report(rows, methods, args.back_to_back)
+
+
+def report(rows: list[dict], methods: list[str], back_to_back: int) -> None:
+    """The TFLOP/s tables (one call per sample, back to back) and, under each, the verdicts against the targets."""
+    for col, title in (("tflops", "one call per sample"), ("tflops_back_to_back", f"{back_to_back} calls back to back per sample")):
         print(f"\nTFLOP/s, fwd+bwd MoE FFN block, one GPU, {title}")
         print(f"{'shape':>5} {'E':>4} " + " ".join(f"{m:>16}" for m in methods) + "  ours/dense ours/torch")
         for r in rows:
@@ -251,9 +264,38 @@ def main():
             if "ours" in r and "dense" in r and "torch_grouped_mm" in r:
                 extra = f"  {r['ours'][col] / r['dense'][col]:10.2f} {r['ours'][col] / r['torch_grouped_mm'][col]:10.2f}"
             print(f"{r['shape']:>5} {r['E']:>4} " + " ".join(f"{r[m][col]:16.1f}" for m in methods) + extra)
+        print("\n".join(verdicts(rows, col)))
     for r in rows:
         if isinstance(r.get("ours_plan"), dict):
             print(f"plan {r['shape']} E={r['E']}: " + ", ".join(f"{k}={v}" for k, v in r["ours_plan"].items()))
+
+
+def verdicts(rows: list[dict], col: str) -> list[str]:
+    """One line per target the rows can judge (col: "tflops" or "tflops_back_to_back"): ours >= 0.85 x dense on
+    every shape; >= 1.2 x the torch grouped_mm block on (a) and >= 1.0 x on (b); ours at E=128 at most 5% below
+    ours at E=8 of the same shape."""
+    def line(what: str, value: float, need: float, shown: str, bound: str) -> str:
+        return f"  target {what}: {shown} {'met' if value >= need else 'MISSED'} ({bound})"
+
+    out = []
+    for r in rows:
+        if "ours" not in r:
+            continue
+        where = f"({r['shape']}) E={r['E']}"
+        if "dense" in r:
+            ratio = r["ours"][col] / r["dense"][col]
+            out.append(line(f"{where} ours/dense", ratio, 0.85, f"{ratio:.3f}", ">= 0.85"))
+        if "torch_grouped_mm" in r:
+            need = 1.2 if r["shape"] == "a" else 1.0
+            ratio = r["ours"][col] / r["torch_grouped_mm"][col]
+            out.append(line(f"{where} ours/torch", ratio, need, f"{ratio:.3f}", f">= {need}"))
+    ours = {(r["shape"], r["E"]): r["ours"][col] for r in rows if "ours" in r}
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        if (shape, 8) in ours and (shape, 128) in ours:
+            ratio = ours[shape, 128] / ours[shape, 8]
+            out.append(line(f"({shape}) ours E=128 vs E=8", ratio, 0.95, f"{ratio - 1:+.1%}", "at most 5% below"))
+    return out
+
 
 if __name__ == "__main__":
     main()
