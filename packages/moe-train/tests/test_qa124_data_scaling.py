@@ -162,3 +162,14 @@ def test_prepare_data_memory_does_not_grow_with_a_3x_corpus_of_many_files(tmp_pa
     a = prepare_peak_rss(tmp_path, small, tokenizer)["rss_mb"]
     b = prepare_peak_rss(tmp_path, large, tokenizer)["rss_mb"]
     assert b - a < 24, f"prepare-data --tokenizer: {a:.0f} MB peak RSS on 8 MB of text, {b:.0f} MB on 24 MB"
+
+
+@pytest.mark.parametrize("eval_fraction", ["1e-7", "0.9999999"])
+def test_train_refuses_such_an_eval_fraction_by_its_flag_before_any_work(tmp_path, capsys, eval_fraction):
+    from moe_train.cli import main
+
+    assert main(["train", f"--data.eval_fraction={eval_fraction}", f"--train.run_dir={tmp_path / 'run'}",
+                 f"--data.cache_dir={tmp_path / 'cache'}"]) == 2
+    assert (f"data.eval_fraction={float(eval_fraction)!r}: expected between 1e-06 and 1 - 1e-06"
+            in capsys.readouterr().err)
+    assert list(tmp_path.iterdir()) == []

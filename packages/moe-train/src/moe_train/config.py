@@ -13,6 +13,7 @@ import types
 import typing
 import warnings
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 
@@ -349,6 +350,9 @@ def validate(cfg: Config) -> Config:
     for name in ("default_vocab_size", "default_max_bytes"):
         _check(getattr(d, name) > 0, f"data.{name}", getattr(d, name), "a positive integer")
     _check(0 < d.eval_fraction < 1, "data.eval_fraction", d.eval_fraction, "in (0, 1)")
+    # prepare-data holds out blocks in millionths (prepare.eval_blocks): a share that rounds to none or to all of them
+    _check(0 < Fraction(d.eval_fraction).limit_denominator(10**6) < 1, "data.eval_fraction", d.eval_fraction,
+           "between 1e-06 and 1 - 1e-06, the share of blocks held out for eval (counted in millionths)")
     for name in ("steps", "micro_batch_size", "grad_accum", "eval_windows", "log_interval", "keep_last",
                  "max_skipped_steps"):
         _check(getattr(t, name) >= 1, f"train.{name}", getattr(t, name), "a positive integer")
