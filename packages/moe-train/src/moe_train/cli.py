@@ -19,7 +19,7 @@ import warnings
 from moe_ckpt import CheckpointError
 from moe_train.cli_commands import (PREPARE_MAX_BYTES, PREPARE_VOCAB_SIZE, _cmd_bench, _cmd_hf, _cmd_info, _cmd_inspect,
                                     _cmd_prepare, _cmd_train, _resume_hint)
-from moe_train.config import ConfigError
+from moe_train.config import ConfigError, DataConfig
 from moe_train.config_io import build_config, parse_overrides
 from moe_train.presets import PRESETS
 from moe_train.trainer.errors import TrainingError
@@ -216,6 +216,9 @@ def _parser() -> _Parser:
                         "<|end_of_text|>, </s>, <eos> it has)")
     s.add_argument("--max-bytes", type=int, default=None,
                    help=f"how much of the default corpus to read, when no inputs are given (default {PREPARE_MAX_BYTES})")
+    s.add_argument("--eval-fraction", type=float, default=None,
+                   help="the share of the tokens held out for eval, in blocks spread evenly over the corpus "
+                        f"(default {DataConfig.eval_fraction})")
     for command in sub.choices.values():  # `moe-train train --version` too, not an override named "version"
         command.add_argument("--version", action=_VersionAction, help="print the versions and exit")
     p.commands = tuple(sub.choices)

@@ -10,7 +10,7 @@ import shlex
 from pathlib import Path
 
 from moe_train.cli_names import EXPORT_NAMES, IMPORT_NAMES, PREPARE_NAMES, typed_as
-from moe_train.config import ConfigError
+from moe_train.config import ConfigError, DataConfig
 
 
 PREPARE_VOCAB_SIZE = 4096  # prepare-data's defaults
@@ -80,7 +80,8 @@ def _cmd_prepare(args) -> None:
         max_bytes = PREPARE_MAX_BYTES if args.max_bytes is None else args.max_bytes
         docs, source = stdlib_documents(max_bytes), "python-stdlib"
     passed = {"vocab_size": PREPARE_VOCAB_SIZE if args.vocab_size is None else args.vocab_size,
-              "tokenizer_path": args.tokenizer, "eos_token": args.eos_token}
+              "tokenizer_path": args.tokenizer, "eos_token": args.eos_token,
+              "eval_fraction": DataConfig.eval_fraction if args.eval_fraction is None else args.eval_fraction}
     with typed_as(PREPARE_NAMES, passed):
         out = prepare_data(docs, args.out, source=source, **passed)
     meta = json.loads((out / "meta.json").read_text())

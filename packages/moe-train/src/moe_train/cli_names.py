@@ -21,7 +21,8 @@ from pathlib import Path
 # {library parameter: what the user typed for it}, for each command that calls a library with flags' values.
 # Booleans (--custom-code, --allow-benchmark-routing) are left out: the library names them only with the value the
 # user did not give (`allow_benchmark_routing=True`), and its messages name the flag beside them already.
-PREPARE_NAMES = {"vocab_size": "--vocab-size", "tokenizer_path": "--tokenizer", "eos_token": "--eos-token"}
+PREPARE_NAMES = {"vocab_size": "--vocab-size", "tokenizer_path": "--tokenizer", "eos_token": "--eos-token",
+                 "eval_fraction": "--eval-fraction"}
 EXPORT_NAMES = {"out_dir": "out", "dtype": "--dtype", "tokenizer_json": "--tokenizer",
                 "max_shard_bytes": "--max-shard-bytes", "push_to_hub": "--push-to-hub"}
 IMPORT_NAMES = {"out_dir": "out"}
