@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from moe_kernels.triton import triton_available, triton_can_run_on
 from moe_parallel import ParallelLayout, build_groups
 from moe_train.config import Config, ConfigError
 from moe_train.trainer.distributed_runtime import DistributedRuntime
@@ -25,6 +26,20 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def check_gemm_backend(cfg: Config, device: torch.device) -> None:
+    """model.gemm_backend='triton' where its kernels cannot run, refused by the field's name before the process
+    group, the data or the run folder (moe-kernels refused it at the first forward, naming its own argument)."""
+    if cfg.model.gemm_backend != "triton" or cfg.model.num_experts == 0:
+        return
+    if not triton_available():
+        raise ConfigError("model.gemm_backend='triton': triton does not import here; expected 'auto', 'torch' or "
+                          "'reference', or install triton")
+    if not triton_can_run_on(torch.empty(0, device=device)):
+        raise ConfigError(f"model.gemm_backend='triton': expected 'auto', 'torch' or 'reference' on the "
+                          f"{device.type} (train.device={cfg.train.device!r}): the Triton kernels run on CUDA GPUs, "
+                          "or on the CPU under Triton's interpreter (TRITON_INTERPRET=1)")
 
 
 def _launch_env(name: str, default: str) -> int:
@@ -80,6 +95,7 @@ def make_runtime(cfg: Config, device: torch.device) -> Runtime:
     model or any buffer exists, so a bad layout raises the same ValueError on every rank.
     device: the resolved device type; under torchrun on GPUs the index becomes LOCAL_RANK.
     """
+    check_gemm_backend(cfg, device)
     p = cfg.parallel
     world = launched_world_size()
     layout = ParallelLayout(p.dp, p.ep, p.pp)

@@ -25,7 +25,7 @@ from moe_train.trainer.data_setup import check_embedded_corpus_settings, resolve
 from moe_train.trainer.metrics import MetricsLog, max_over_ranks, peak_memory_gib, router_health
 from moe_train.trainer.mfu import run_peak_tflops
 from moe_train.trainer.run_lock import RunFolderBusyError, RunFolderLock
-from moe_train.trainer.runtime import Runtime, StepResult
+from moe_train.trainer.runtime import LocalRuntime, Runtime, StepResult
 from moe_train.trainer.launch import make_runtime, pick_device
 from moe_train.trainer.schedule import schedule_change, train_lr_at
 from moe_train.trainer.errors import TrainingError
@@ -66,7 +66,7 @@ class Trainer:
             fail_together(lambda: self._open_data(data_dir), rt.rank, rt.world_size,
                           lambda flags: rt.all_reduce_sum(flags.to(self.device)).cpu(), f"opening data.path={data_dir}")
             if self.is_main:
-                warn_about_settings(cfg, self.device)
+                warn_about_settings(cfg, self.device, one_process=isinstance(rt, LocalRuntime))
             torch.manual_seed(t.seed)
             self.model = rt.setup(Transformer(cfg.model, device="meta"))  # each rank allocates only its slice
             self.run_dir = Path(t.run_dir)

@@ -6,12 +6,17 @@ import warnings
 
 import torch
 
-from moe_train.config import Config
+from moe_train.config import Config, ParallelConfig, RouterConfig, TrainConfig
 
 
-def warn_about_settings(cfg: Config, device: torch.device) -> None:
+def _default(section: type, name: str) -> object:
+    return section.__dataclass_fields__[name].default
+
+
+def warn_about_settings(cfg: Config, device: torch.device, one_process: bool = False) -> None:
     """A seed the CPU generator truncates, a run that only warms up, a benchmark router, a capacity that drops
-    nothing. `stacklevel=3` points at the Trainer's caller."""
+    nothing, and a field set away from its default where this run never reads it (one_process: the run is a
+    single process without a process group, LocalRuntime). `stacklevel=3` points at the Trainer's caller."""
     t, p = cfg.train, cfg.parallel
     if device.type == "cpu" and t.seed >= 2**32:
         warnings.warn(f"train.seed={t.seed}: torch's CPU generator keeps the low 32 bits of a seed, so on "
@@ -34,3 +39,24 @@ def warn_about_settings(cfg: Config, device: torch.device) -> None:
                       "parallel.ep=1: the capacity is per EP rank (ceil(factor x the rank's tokens x top_k) of "
                       "the rows it receives), and a rank that holds every expert receives exactly tokens x "
                       "top_k rows", stacklevel=3)
+    unread = []
+    if t.lr_schedule == "constant" and t.min_lr_ratio != _default(TrainConfig, "min_lr_ratio"):
+        unread.append(f"train.min_lr_ratio={t.min_lr_ratio:g} (train.lr_schedule='constant' never decays to it)")
+    r = cfg.model.router
+    if cfg.model.num_experts > 0 and not r.expert_bias and r.expert_bias_rate != _default(RouterConfig,
+                                                                                           "expert_bias_rate"):
+        unread.append(f"model.router.expert_bias_rate={r.expert_bias_rate:g} (only model.router.expert_bias=true "
+                      "moves a bias)")
+    if not p.fp32_grad_accum and p.param_dtype == "fp32":
+        unread.append("parallel.fp32_grad_accum=false (gradients accumulate in the weights' dtype, fp32 with "
+                      "parallel.param_dtype='fp32')")
+    if not p.distributed_optimizer and (p.dp == 1 or p.strategy == "fsdp"):
+        why = ("parallel.dp=1: no other rank to shard the optimizer state over" if p.dp == 1
+               else "parallel.strategy='fsdp' shards the optimizer state with the weights")
+        unread.append(f"parallel.distributed_optimizer=false ({why})")
+    if one_process and p.backend != _default(ParallelConfig, "backend"):
+        unread.append(f"parallel.backend={p.backend!r} (a single process with plain fp32 weights opens no process "
+                      "group)")
+    if unread:
+        warnings.warn(f"{'; '.join(unread)}: no effect on this run; drop them, or change what they depend on",
+                      stacklevel=3)
