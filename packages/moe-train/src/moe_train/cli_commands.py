@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import warnings
 from pathlib import Path
 
 from moe_train.cli_names import EXPORT_NAMES, IMPORT_NAMES, PREPARE_NAMES, typed_as
@@ -87,10 +88,33 @@ def _cmd_prepare(args) -> None:
     meta = json.loads((out / "meta.json").read_text())
     train, held_out = meta["splits"]["train"], meta["splits"]["eval"]
     docs = f"{train['num_docs']:,} document{'' if train['num_docs'] == 1 else 's'}"
-    print(f"wrote {out}: {train['num_tokens']:,} train tokens ({docs}), "
-          f"{held_out['num_tokens']:,} eval tokens ({held_out['num_docs']:,}), vocab_size={meta['vocab_size']}")
+    n_eval = held_out["num_tokens"]
+    print(f"wrote {out}: {train['num_tokens']:,} train token{'' if train['num_tokens'] == 1 else 's'} ({docs}), "
+          f"{n_eval:,} eval token{'' if n_eval == 1 else 's'} ({held_out['num_docs']:,}), vocab_size={meta['vocab_size']}")
+    _warn_of_a_split_shorter_than_a_window(train["num_tokens"], held_out["num_tokens"], passed["eval_fraction"])
     # the model's vocabulary must hold every id the tokenizer emits, and the presets' is not the folder's
     print(f"train on it: moe-train train --data.path={shlex.quote(str(out))} --model.vocab_size={meta['vocab_size']}")
+
+
+def _warn_of_a_split_shorter_than_a_window(train_tokens: int, eval_tokens: int,
+                                          eval_fraction: float | None = None) -> None:
+    """prepare-data and inspect print a command that trains with the default config: a split shorter than one of its
+    windows stops that run at start-up (a small --eval-fraction on a small corpus holds out a single token).
+    eval_fraction: the one the folder was prepared with, where known."""
+    from moe_train.config_io import build_config
+
+    window = build_config(None, None, {}).data.seq_len + 1
+    was = f" (it was {eval_fraction!r})" if eval_fraction is not None else ""
+    if train_tokens < window:
+        name, count, fix = "train", train_tokens, (f"prepare it with more text or a smaller --eval-fraction{was}, "
+                                                   "or train with a shorter --data.seq_len")
+    elif eval_tokens < window:
+        name, count, fix = "eval", eval_tokens, (f"prepare it with a larger --eval-fraction{was} or more text, or "
+                                                 "train with a shorter --data.seq_len or --train.eval_interval=0")
+    else:
+        return
+    warnings.warn(f"the {name} split holds {count:,} token{'' if count == 1 else 's'}, fewer than one window of "
+                  f"data.seq_len+1={window}: a run on it stops before its first step; {fix}", stacklevel=2)
 
 
 def _holds_checkpoint(folder) -> bool:
@@ -201,7 +225,7 @@ def _format_model_folder(folder: Path) -> str:
 def _format_data_folder(folder: Path) -> str:
     """inspect's summary of a data folder: where its tokens came from, its tokenizer and each split, opened as a run
     opens it (the files' sizes against meta.json, the recorded largest ids against its vocab_size)."""
-    from moe_train.data.token_file import DIGEST, open_data, read_meta
+    from moe_train.data.token_file import DIGEST, _is_count, _is_recorded_id, open_data, read_meta
 
     meta, splits = open_data(folder, read_meta(folder / "meta.json")["vocab_size"])
     tokenizer = meta.get("tokenizer")
@@ -211,13 +235,17 @@ def _format_data_folder(folder: Path) -> str:
              f"tokenizer: {tokenizer if shipped else '(none in the folder)'}, vocab_size={meta['vocab_size']}, "
              f"eos_id={meta['eos_id']}"]
     for name, split in splits.items():
-        recorded = meta["splits"][name]
+        recorded, count = meta["splits"][name], split.tokens.size
         docs = recorded.get("num_docs")
-        docs = docs if isinstance(docs, int) and not isinstance(docs, bool) else split.doc_ends.size  # older folders
+        docs = docs if _is_count(docs) else split.doc_ends.size  # older folders
         top, digest = recorded.get("max_token_id"), recorded.get("digest")
-        lines.append(f"{name}: {split.tokens.size:,} tokens, {docs:,} document{'' if docs == 1 else 's'}, largest id "
-                     f"{top if isinstance(top, int) else '(not recorded)'}, digest "
+        # as open_data takes it: a recorded value that is no token id was not used (the split was read instead)
+        top = top if _is_recorded_id(top, count) else ("(not recorded)" if top is None else
+                                                       f"(meta.json's {top!r} is not a token id)")
+        lines.append(f"{name}: {count:,} token{'' if count == 1 else 's'}, {docs:,} "
+                     f"document{'' if docs == 1 else 's'}, largest id {top}, digest "
                      f"{digest[:len(DIGEST) + 12] + '…' if digest else '(not recorded)'}")
+    _warn_of_a_split_shorter_than_a_window(splits["train"].tokens.size, splits["eval"].tokens.size)
     lines.append(f"train on it: moe-train train --data.path={shlex.quote(str(folder))} "
                  f"--model.vocab_size={meta['vocab_size']}")
     return "\n".join(lines)

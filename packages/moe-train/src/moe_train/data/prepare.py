@@ -63,7 +63,8 @@ def eval_blocks(num_tokens: int, eval_fraction: float, block: int) -> tuple[int,
 def _held_out_share(eval_fraction: float) -> tuple[int, int]:
     """eval_fraction as p/q, q <= 10^6, 0 < p < q; refused where it rounds to none of the blocks or to all of them
     (below 5e-7 or that close to 1: eval_blocks would divide by zero)."""
-    share = Fraction(eval_fraction).limit_denominator(10**6)
+    # float(): Fraction() refuses numpy's float32 ("argument should be a string or a Rational instance")
+    share = Fraction(float(eval_fraction)).limit_denominator(10**6)
     if not 0 < share < 1:
         raise DataError(f"eval_fraction={eval_fraction!r}: expected between 1e-06 and 1 - 1e-06, the share of blocks "
                         f"held out for eval (counted in millionths; this one rounds to {share})")

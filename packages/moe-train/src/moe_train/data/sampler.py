@@ -27,8 +27,9 @@ class WindowSampler:
         self.num_windows = (tokens.size - 1) // seq_len
         if self.num_windows < 1:
             where = f" ({tokens.filename})" if getattr(tokens, "filename", None) else ""
-            raise DataError(f"the train split{where} has {tokens.size} tokens, fewer than one window of "
-                            f"data.seq_len+1={seq_len + 1}; prepare more data or shorten data.seq_len")
+            count = f"{tokens.size} token{'' if tokens.size == 1 else 's'}"
+            raise DataError(f"the train split{where} has {count}, fewer than one window of data.seq_len+1="
+                            f"{seq_len + 1}; prepare more data or shorten data.seq_len")
         # The epoch's order, drawn at its first window: the one index that grows with the corpus (4 bytes a window;
         # 10^10 tokens of seq_len 128 are 312 MB).
         self._perm_epoch = -1

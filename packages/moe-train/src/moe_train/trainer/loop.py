@@ -103,7 +103,8 @@ class Trainer:
         # eval_windows' upper bound
         self.eval_split_windows = (splits["eval"].tokens.size - 1) // cfg.data.seq_len
         if t.eval_interval > 0 and not self.eval_data:
-            raise DataError(f"{data_dir}: the eval split has {splits['eval'].tokens.size} tokens, fewer than "
+            n = splits["eval"].tokens.size
+            raise DataError(f"{data_dir}: the eval split has {n} token{'' if n == 1 else 's'}, fewer than "
                             f"one window of data.seq_len+1={cfg.data.seq_len + 1}; prepare more data, shorten "
                             "data.seq_len, or set train.eval_interval=0")
 
