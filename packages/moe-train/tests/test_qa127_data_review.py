@@ -9,6 +9,7 @@ import json
 import re
 import shlex
 import shutil
+from pathlib import Path
 from fractions import Fraction
 
 import numpy as np
@@ -218,3 +219,22 @@ def test_eval_fractions_that_hold_out_other_blocks_get_other_default_folders():
     assert not np.array_equal(eval_blocks(10**6, a, 2048)[1], eval_blocks(10**6, b, 2048)[1])
     assert default_data_dir(DataConfig(eval_fraction=a)) != default_data_dir(DataConfig(eval_fraction=b))
     assert default_data_dir(DataConfig(eval_fraction=a)).name.endswith("-e1.5e-05")  # names as before where :g was exact
+
+
+def test_a_file_this_user_may_not_read_is_one_error_line_naming_it(tmp_path, corpus, capsys, monkeypatch):
+    """An unreadable meta.json (or any path the user gave, unreadable or unwritable) ended in a PermissionError
+    traceback; now one `moe-train: error:` line naming the file, exit status 2 (checked by raising the error the
+    read gives: the tests may run as root, whom file modes do not stop)."""
+    out = tmp_path / "data"
+    assert main(["prepare-data", str(corpus), "--out", str(out), "--vocab-size", "300"]) == 0
+    capsys.readouterr()
+    real = Path.read_text
+
+    def read_text(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if self.name == "meta.json":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(Path, "read_text", read_text)
+    assert main(["inspect", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"moe-train: error: [Errno 13] Permission denied: '{out / 'meta.json'}'\n"

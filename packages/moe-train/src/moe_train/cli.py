@@ -268,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:  # `moe-train inspect RUN | head`: the reader has what it wanted
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing to flush into it at exit
             return 0
+        except PermissionError as e:  # a path the user gave that this user may not read or write: one line naming it
+            print(f"moe-train: error: {e}", file=sys.stderr)
+            return 2
         finally:
             # A process group left in a reference cycle (an error's traceback holds the frames that hold it) is
             # freed here, while the interpreter is whole: a gloo group alive at exit can abort the process from
