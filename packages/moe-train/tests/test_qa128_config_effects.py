@@ -726,3 +726,19 @@ def test_unread_settings_warn_once_naming_each_field(tmp_path, _prepared_data):
         warnings.simplefilter("always")
         warn_about_settings(ctx.cfg(), torch.device("cpu"), one_process=True)
     assert not [c for c in caught if "no effect on this run" in str(c.message)]
+
+
+def test_gemm_backend_triton_is_taken_on_the_cpu_under_tritons_interpreter():
+    """The refusal of model.gemm_backend=triton on the CPU leaves out Triton's interpreter, where the kernels run
+    (TRITON_INTERPRET=1 read when triton is imported, so a fresh process)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom moe_train.config_io import build_config\n"
+            "from moe_train.trainer.launch import check_gemm_backend\n"
+            "check_gemm_backend(build_config('tiny', overrides={'model.gemm_backend': 'triton'}), torch.device('cpu'))\n"
+            "print('taken')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=120)
+    assert done.stdout.strip() == "taken", done.stderr[-2000:]  # (refused without it: check_gemm_backend above)

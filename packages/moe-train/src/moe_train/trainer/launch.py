@@ -36,7 +36,9 @@ def check_gemm_backend(cfg: Config, device: torch.device) -> None:
     if not triton_available():
         raise ConfigError("model.gemm_backend='triton': triton does not import here; expected 'auto', 'torch' or "
                           "'reference', or install triton")
-    if not triton_can_run_on(torch.empty(0, device=device)):
+    # a CUDA device runs them; the probe tensor is made only off CUDA (on CUDA it would open a context on GPU 0
+    # in every torchrun rank, before each rank picks its own GPU)
+    if device.type != "cuda" and not triton_can_run_on(torch.empty(0, device=device)):
         raise ConfigError(f"model.gemm_backend='triton': expected 'auto', 'torch' or 'reference' on the "
                           f"{device.type} (train.device={cfg.train.device!r}): the Triton kernels run on CUDA GPUs, "
                           "or on the CPU under Triton's interpreter (TRITON_INTERPRET=1)")
