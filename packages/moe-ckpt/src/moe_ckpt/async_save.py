@@ -36,7 +36,7 @@ import torch
 
 from moe_ckpt.geometry import describe
 from moe_ckpt.save import save_checkpoint
-from moe_ckpt.spec import ShardSpec
+from moe_ckpt.spec import ShardSpec, require_shard_spec
 
 
 @dataclass
@@ -149,7 +149,8 @@ class AsyncCheckpointer:
 
     def _snapshot(self, shards: Sequence[ShardSpec]) -> list[ShardSpec]:
         out, on_cuda = [], False
-        for s in shards:
+        for i, s in enumerate(shards):
+            require_shard_spec(s, i)
             if not s.writer:  # no data is written: kept so that the save can check some rank writes it
                 out.append(s)
                 continue

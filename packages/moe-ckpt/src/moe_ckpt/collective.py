@@ -30,6 +30,9 @@ def fail_together(fn: Callable[[], T], rank: int, world_size: int, all_reduce_su
     """
     if world_size == 1:
         return fn()
+    if not callable(all_reduce_sum):  # None failed after fn() ran, as "'NoneType' object is not callable"
+        raise TypeError(f"world_size={world_size!r} needs all_reduce_sum, a callable that sums a tensor over the "
+                        f"ranks (e.g. lambda t: (dist.all_reduce(t), t)[1]); got {all_reduce_sum!r}")
     failed = torch.zeros(world_size, dtype=torch.int64)
     error: Exception | None = None
     try:

@@ -177,6 +177,7 @@ class OpenCheckpoint:
         self._check_open()
         if requests is None:
             requests = [LoadRequest(name) for name in self._index.tensors]
+        requests = list(requests)  # read twice below: a generator returned {} without a word
         _validate(self.path, self._index, requests)
         return {req.name: _assemble(self._index, self._files, req, device, require_finite, lend_views)
                 for req in requests}
@@ -203,6 +204,10 @@ class OpenCheckpoint:
 
 
 def _validate(path: Path, index: Index, requests: Sequence[LoadRequest]) -> None:
+    for i, r in enumerate(requests):  # a bare name failed on `.name`, an AttributeError naming nothing
+        if not isinstance(r, LoadRequest):
+            hint = f"LoadRequest({r!r}) for a tensor name" if isinstance(r, str) else "requests=None loads every tensor"
+            raise TypeError(f"requests[{i}] is a {type(r).__name__} ({r!r:.80}), expected a LoadRequest ({hint})")
     names = [r.name for r in requests]
     dup = sorted(n for n, count in Counter(names).items() if count > 1)
     if dup:

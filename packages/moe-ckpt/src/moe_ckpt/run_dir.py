@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 
 from moe_ckpt.errors import CheckpointError
+from moe_ckpt.geometry import as_index
 from moe_ckpt.shard_file import fsync_dir, write_text_atomic
 
 INDEX = "index.json"
@@ -151,6 +152,7 @@ def remove_checkpoint(path: Path) -> None:
 def apply_retention(root: str | Path, keep_last_n: int) -> list[Path]:
     """Remove all but the last `keep_last_n` committed checkpoints (never the `latest` target, never a
     folder list_checkpoints does not list)."""
+    keep_last_n = as_index(keep_last_n, "keep_last_n")  # "2" or None failed on `<`, naming neither
     if keep_last_n < 1:
         raise ValueError(f"keep_last_n={keep_last_n} must be >= 1")
     root = Path(root)

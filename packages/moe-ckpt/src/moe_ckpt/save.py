@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from moe_ckpt.errors import CheckpointError
-from moe_ckpt.geometry import FlatRange, describe
+from moe_ckpt.geometry import FlatRange, as_index, describe
 from moe_ckpt.index import build_index, manifest_name, shard_file_name
 from moe_ckpt.run_dir import (
     INDEX, METADATA, TMP_MARK, apply_retention, is_complete, remove_leftovers, tmp_dir_for, write_latest,
@@ -39,7 +39,7 @@ from moe_ckpt.run_dir import (
 from moe_ckpt.shard_file import (
     Checksum, bytes_checksum, fsync_dir, write_json_atomic, write_shard_file, write_text_atomic,
 )
-from moe_ckpt.spec import ShardSpec, dtype_name
+from moe_ckpt.spec import ShardSpec, dtype_name, require_shard_spec
 
 Barrier = Callable[[], object]
 
@@ -63,12 +63,14 @@ def save_checkpoint(
     keep_last_n: after committing, keep only the newest n checkpoints beside `path`.
     """
     path = Path(path)
+    rank, world_size = as_index(rank, "rank"), as_index(world_size, "world_size")  # e.g. os.environ["RANK"], a str
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside [0, world_size={world_size})")
     if world_size > 1 and barrier is None:
         raise ValueError(f"world_size={world_size} needs a barrier callable (e.g. torch.distributed.barrier)")
     Checksum(checksum)
-    if keep_last_n is not None and keep_last_n < 1:  # here, on every rank: retention runs after the commit, on rank 0
+    # here, on every rank: retention runs after the commit, on rank 0 (as_index: "2" failed on `<`, naming nothing)
+    if keep_last_n is not None and as_index(keep_last_n, "keep_last_n") < 1:
         raise ValueError(f"keep_last_n={keep_last_n} must be >= 1 (None keeps every checkpoint)")
     if TMP_MARK in path.name:  # readers take such a folder for a partial save and refuse it
         raise ValueError(f"checkpoint path {path}: its name contains {TMP_MARK!r}, which marks unfinished saves; "
@@ -149,7 +151,8 @@ def _write_rank(tmp: Path, shards: Sequence[ShardSpec], rank: int, world_size: i
     if failed:  # rank 0 refused the save while preparing it (or a rank failed already): nothing will be committed
         raise CheckpointError(f"rank {rank}: not writing {tmp.name}: {failed}")
     entries, pieces, declared, seen = [], [], [], {}
-    for s in shards:
+    for i, s in enumerate(shards):
+        require_shard_spec(s, i)
         s.validate()  # a field changed since construction (e.g. .tensor of another shape) is refused, not committed
         if not s.writer:  # another rank writes it; named so that the commit can check one does
             declared.append({"name": s.name, "shape": list(s.global_shape), "dtype": dtype_name(s.dtype)})

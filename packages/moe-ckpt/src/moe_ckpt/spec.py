@@ -109,6 +109,14 @@ class ShardSpec:
         return self.tensor.numel() * self.tensor.element_size()
 
 
+def require_shard_spec(value: object, index: int) -> None:
+    """shards[index] is a ShardSpec: a bare tensor (or a dict's key) failed later on a missing attribute."""
+    if not isinstance(value, ShardSpec):
+        hint = f" (a dict's key {value!r}? pass a list of ShardSpecs)" if isinstance(value, str) else ""
+        raise TypeError(f"shards[{index}] is a {type(value).__name__}, expected a ShardSpec(name, global_shape, "
+                        f"tensor, region){hint}")
+
+
 @dataclass
 class LoadRequest:
     """The part of one global tensor this rank wants back, in any layout.

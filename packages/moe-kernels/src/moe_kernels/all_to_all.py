@@ -68,7 +68,7 @@ from moe_kernels.permute import (
     combine,
     permute,
 )
-from moe_kernels.route_map import RouteMap, positive_int
+from moe_kernels.route_map import RouteMap, positive_int, require_route_map
 from moe_kernels.compile_marks import constant_under_compile
 
 # Header columns sent to every EP peer after the [E_local] counts (int64).
@@ -171,6 +171,7 @@ class AllToAllDispatcher:
             # The counts exchange is [ep, E_local + header] on every rank, so this rank's E cannot travel
             # in it; a route map over another E is refused through the status header instead (raised
             # here alone, it left the other EP ranks waiting in the count exchange until the timeout).
+            require_route_map(route_map)  # expert ids in its place failed on `.num_experts` (LocalDispatcher's: not)
             if route_map.num_experts != self.num_experts:
                 raise ValueError(f"route map has {route_map.num_experts} experts, dispatcher expects {self.num_experts}")
             dtype = route_map.counts.dtype

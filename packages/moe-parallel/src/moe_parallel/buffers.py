@@ -81,6 +81,10 @@ class FlatParams:
         self.group_rank = dist.get_rank(group)
         try:
             _check_named_params(named_params)
+            if grad_dtype is not None and not (isinstance(grad_dtype, torch.dtype) and grad_dtype.is_floating_point):
+                # an int one failed at the first backward ("result type Float can't be cast"), a str in torch.zeros
+                raise ValueError(f"FlatParams: grad_dtype={grad_dtype!r}, expected a floating-point torch.dtype "
+                                 "(e.g. torch.float32 for fp32 gradient accumulation) or None (the parameters' dtype)")
         except ValueError as refusal:
             # The other ranks are about to meet this one in the check below: they raise too, naming this rank,
             # instead of waiting in that collective for a rank that has left (a hang, or gloo's "connection closed").

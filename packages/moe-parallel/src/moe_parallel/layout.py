@@ -84,6 +84,8 @@ class ParallelLayout:
         return self
 
     def coords(self, rank: int) -> RankCoords:
+        if not _is_int(rank):  # "1" failed on `<=`, naming nothing; 1.0 gave float coordinates
+            raise ValueError(f"rank={rank!r}: expected an integer in [0, {self.world_size})")
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} is outside [0, {self.world_size})")
         pp_rank, dp_rank = divmod(rank, self.dp)

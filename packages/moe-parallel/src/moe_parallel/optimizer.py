@@ -96,12 +96,14 @@ class DistributedAdamW:
                 "the global gradient norm, the clipping and the skip of a non-finite step must span every rank"
             )
         if world is None:
+            _require_config(cfg)
             refuse_shared_parameters(flats, "DistributedAdamW")
         else:
             try:
+                _require_config(cfg)
                 refuse_shared_parameters(flats, "DistributedAdamW")
                 _refuse_groups_outside(flats, world)
-            except ValueError as refusal:  # the other ranks, meeting this one in the check below, raise too
+            except (TypeError, ValueError) as refusal:  # the other ranks, meeting this one in the check below, raise
                 require_same_on_every_rank(world, [], "DistributedAdamW: the parameters", collective_device(world),
                                            refusal)
                 raise
@@ -313,6 +315,13 @@ def _master_dtype(flat: FlatParams) -> torch.dtype:
 def _is_real(value: object) -> bool:
     """A Python or NumPy number that is not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _require_config(cfg: object) -> None:
+    """None (or the trainer's own config) was accepted and failed at the first step, on a missing attribute."""
+    if not isinstance(cfg, AdamWConfig):
+        raise TypeError(f"DistributedAdamW: cfg is a {type(cfg).__name__}, expected an AdamWConfig (e.g. "
+                        "AdamWConfig(lr=3e-4, weight_decay=0.1))")
 
 
 def _check_lr(lr: object, what: str) -> None:

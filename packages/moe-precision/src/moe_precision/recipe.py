@@ -51,6 +51,7 @@ class PrecisionRecipe:
                    backend: str = "auto") -> torch.Tensor:
         """The SwiGLU expert FFN over dispatched rows [N, d] in expert order (offsets: each expert's end row)
         -> [N, d]: moe_kernels.swiglu_experts, with both weights as this recipe's GEMMs consume them."""
+        _require_tensors(rows=(rows, "[N, d]"), w_gate_up=(w_gate_up, "[E, d, 2h]"), w_down=(w_down, "[E, h, d]"))
         return swiglu_experts(rows, self.gemm_weight(w_gate_up, rows), self.gemm_weight(w_down, rows), offsets,
                               backend)
 
@@ -59,6 +60,7 @@ class PrecisionRecipe:
         """The whole expert block of tokens x [T, d] whose experts are all local: gather by route_map, the SwiGLU
         expert FFN, combine with router_weights [T, k] -> [T, d] (moe_kernels.moe_ffn, the gather and the
         combine fused into the GEMMs), with both weights as this recipe's GEMMs consume them."""
+        _require_tensors(x=(x, "[T, d]"), w_gate_up=(w_gate_up, "[E, d, 2h]"), w_down=(w_down, "[E, h, d]"))
         return moe_ffn(x, route_map, router_weights, self.gemm_weight(w_gate_up, x), self.gemm_weight(w_down, x),
                        backend)
 
@@ -69,6 +71,14 @@ class Bf16Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, cast_weight(self.weight, gemm_dtype(x, self.weight.dtype)), self.bias)
+
+
+def _require_tensors(**named: tuple[object, str]) -> None:
+    """The weights are cast (reading the rows' dtype) before moe_kernels checks its arguments: a None or a numpy
+    array failed on a missing `.dtype`, naming no argument. Same words as moe_kernels' own checks."""
+    for name, (value, shape) in named.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor {shape}, got {type(value).__name__}")
 
 
 def autocast_casts(dtype: torch.dtype) -> bool:

@@ -46,11 +46,18 @@ class ExportSummary:
 
 def tensor_getter(source: TensorSource) -> Callable[[str], torch.Tensor]:
     """A Mapping or a callable -> a callable name -> tensor that raises HFConversionError naming a missing tensor."""
+    if not isinstance(source, Mapping) and not callable(source):  # a list failed as "'list' object is not callable"
+        raise TypeError(f"tensor source is a {type(source).__name__}, expected a Mapping of our tensor names to "
+                        "tensors (e.g. model.state_dict()) or a callable name -> tensor")
+
     def get(name: str) -> torch.Tensor:
         try:
-            return source[name] if isinstance(source, Mapping) else source(name)
+            t = source[name] if isinstance(source, Mapping) else source(name)
         except KeyError:
             raise HFConversionError(f"tensor source has no tensor {name!r}") from None
+        if not isinstance(t, torch.Tensor):  # a numpy array or None failed on .shape / .detach, naming no tensor
+            raise TypeError(f"tensor source gave a {type(t).__name__} for {name!r}, expected a torch.Tensor")
+        return t
     return get
 
 
@@ -101,6 +108,9 @@ def export_hf_folder(
         raise HFConversionError(f"dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
     if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool) or max_shard_bytes < 1:
         raise HFConversionError(f"max_shard_bytes={max_shard_bytes!r}: expected a number of bytes, an integer >= 1")
+    if not isinstance(model_config, Mapping):  # None failed on `.get` deep inside choose_model_type
+        raise TypeError(f"model_config is a {type(model_config).__name__}, expected moe-train's model config as a dict "
+                        "(Config.to_dict()['model'])")
     start = time.perf_counter()
     try:
         model_type = choose_model_type(model_config, allow_benchmark_routing, custom_code)

@@ -80,6 +80,23 @@ def _has_bad_target(targets: torch.Tensor, vocab_size: int) -> bool:
     return bool(((targets != IGNORED_TARGET) & ((targets < 0) | (targets >= vocab_size))).any())
 
 
+def _check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
+    """tokens is [B, S] and, on the CPU, every id in [0, vocab_size): the embedding's own error, "index out of range
+    in self", named neither the id nor the vocabulary (a [S] tensor failed on `tuple index out of range`). On a GPU
+    the check would cost a host read each forward: an id out of range there is the embedding's device-side assert."""
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"tokens must be a torch.Tensor [B, S] of token ids, got {type(tokens).__name__}")
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be [B, S] (batch, sequence), got shape {tuple(tokens.shape)}")
+    if tokens.device.type != "cpu" or torch.compiler.is_compiling() or tokens.dtype.is_floating_point:
+        return  # (float ids: the embedding's own error names the dtypes it takes)
+    bad = (tokens < 0) | (tokens >= vocab_size)
+    if bool(bad.any()):
+        b, s = (int(i) for i in bad.nonzero()[0])
+        raise IndexError(f"tokens[{b}, {s}]={int(tokens[b, s])} is outside [0, model.vocab_size={vocab_size}) "
+                         f"({int(bad.sum())} ids out of range in all)")
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None,
                  recipe: PrecisionRecipe | None = None):
@@ -146,6 +163,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens: [B, S] int64 -> (logits [B, S, V], summed router aux loss)."""
+        _check_tokens(tokens, self.cfg.vocab_size)
         x = self.embed(tokens)
         cos, sin = self._rope(tokens.shape[1], tokens.device, fp32_or_wider(x.dtype))
         aux = torch.zeros((), device=tokens.device, dtype=torch.float32)
