@@ -17,8 +17,12 @@ import errno
 import io
 import os
 import shutil
+import sys
 import threading
 from pathlib import Path
+
+
+LISTING = "os.scandir" if sys.version_info >= (3, 13) else "os.listdir"  # what Path.iterdir calls to list a folder
 
 
 class Interrupted(BaseException):

@@ -3,7 +3,7 @@
 What was tried. The functions the save code calls (read from save.py, shard_file.py, run_dir.py) are wrapped in
 process while the save runs (fs_faults.py beside this file; moe-ckpt itself is not mocked): builtins/io `open`
 (and `write`, `flush`, `close` of a file it opened to write), os.open, os.close, os.fsync, os.fdatasync, os.replace,
-os.rename, os.remove, os.unlink, os.rmdir, os.mkdir (Path.mkdir), os.listdir (Path.iterdir), os.scandir (Path.glob)
+os.rename, os.remove, os.unlink, os.rmdir, os.mkdir (Path.mkdir), os.listdir and os.scandir (Path.iterdir: listdir before Python 3.13, scandir from it; Path.glob)
 and shutil.rmtree (one operation; with ignore_errors=True its fault removes nothing and raises nothing, as a real
 failing rmtree told to ignore errors). Only operations on paths inside the run folder count; stat calls
 (Path.exists, is_dir, ...), reads of file contents and json (no file-system calls of its own) are not injected. A
@@ -56,7 +56,7 @@ from pathlib import Path
 import pytest
 import torch
 from ckpt_cases import bits_equal, free_port, make_state, shards_for
-from fs_faults import Faults, Interrupted, memory_folder
+from fs_faults import LISTING, Faults, Interrupted, memory_folder
 
 from moe_ckpt import (
     AsyncCheckpointer, CorruptMetadataError, IncompleteCheckpointError, MissingShardFileError,
@@ -189,7 +189,7 @@ def test_every_operation_of_a_save_is_enumerated(template, tmp_path, monkeypatch
     # what the protocol does: remove leftovers, write shard + manifest, metadata.json and index.json (temp name +
     # fsync + replace), rename the folder, fsync folders, move `latest`, retention's rename + rmtree
     assert {"open(wb)", "file.write", "os.fsync", "os.replace", "os.rename", "os.open", "os.close", "os.mkdir",
-            "shutil.rmtree(ignore_errors)", "os.unlink", "os.listdir"} <= kinds, sorted(kinds)
+            "shutil.rmtree(ignore_errors)", "os.unlink", LISTING} <= kinds, sorted(kinds)
     names = " ".join(p for _, p in faults.ops)
     for written in ("index.json", "metadata.json", ".latest.tmp-", "shard-00000-of-00001.safetensors",
                     "manifest.json", "step-00000001.tmp-delete-", "step-00000007.tmp"):

@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 import torch
 from ckpt_cases import bits_equal, check_load, free_port, make_state, requests_for, shards_for
-from fs_faults import Faults, memory_folder
+from fs_faults import LISTING, Faults, memory_folder
 
 from moe_ckpt import (
     ChecksumMismatchError, CorruptMetadataError, CorruptShardError, fail_together,
@@ -49,7 +49,7 @@ from moe_ckpt import (
 )
 
 STATE1, STATE2 = make_state(1), make_state(2)
-READ_OPS = {"os.stat", "os.lstat", "os.listdir", "open(r)", "open(rb)", "os.fstat", "file.read", "file.readinto",
+READ_OPS = {"os.stat", "os.lstat", LISTING, "open(r)", "open(rb)", "os.fstat", "file.read", "file.readinto",
             "safe_open"}
 
 

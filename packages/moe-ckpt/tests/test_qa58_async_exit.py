@@ -65,3 +65,28 @@ def test_a_save_that_fails_at_exit_says_so_naming_the_error(tmp_path):
     assert find_latest(root) is None
     assert f"save of {step_dir(root, 1)} failed and is not committed: TypeError" in done.stderr, done.stderr
     assert "object is not JSON serializable" in done.stderr, done.stderr
+
+
+def test_a_save_where_no_thread_can_start_writes_its_shard_on_its_own_thread(tmp_path, monkeypatch):
+    """CPython 3.12.0 and 3.12.1 refuse new threads in exit hooks (gh-113964), where the saves above finish: the shard
+    writer's checksum and writeback threads could not start and the save failed ("can't create new thread at
+    interpreter shutdown"). The same refusal, made here on any Python: the save writes the same bytes."""
+    import threading
+
+    import torch
+
+    from moe_ckpt import Box, ShardSpec, save_checkpoint
+
+    def refuse(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    w = torch.arange(12.0).reshape(4, 3)
+    shards = [ShardSpec("w", (4, 3), w, Box.dim0((4, 3), 0, 4))]
+    save_checkpoint(step_dir(tmp_path / "threads", 1), shards, {"step": 1})
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    save_checkpoint(step_dir(tmp_path / "none", 1), shards, {"step": 1})
+    monkeypatch.undo()
+    assert load_checkpoint(tmp_path / "none")["w"].equal(w)
+    shard = "shard-00000-of-00001.safetensors"
+    got, want = (step_dir(tmp_path / run, 1) / shard for run in ("none", "threads"))
+    assert got.read_bytes() == want.read_bytes()

@@ -92,7 +92,9 @@ def test_grad_accum_times_micro_batch_gives_the_same_weights_without_the_balanci
     ref, ref_log = runs[4, 1]
     for key, (w, log) in runs.items():
         for name in ref:
-            torch.testing.assert_close(w[name], ref[name], rtol=1e-5, atol=2e-6, msg=f"{key} {name}")
+            # atol: Adam turns the rounding of another summation order into up to 5.5e-6 on a weight (one element; the
+            # data, the running Python's stdlib, is 3.12's; 8.5e-7 on 3.11's), far below a step's lr=3e-3
+            torch.testing.assert_close(w[name], ref[name], rtol=1e-5, atol=1e-5, msg=f"{key} {name}")
         for s in ref_log:
             assert log[s]["loss"] == pytest.approx(ref_log[s]["loss"], rel=1e-5), (key, s)
             assert log[s]["grad_norm"] == pytest.approx(ref_log[s]["grad_norm"], rel=1e-4), (key, s)

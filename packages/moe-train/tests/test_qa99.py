@@ -117,9 +117,11 @@ def test_a_run_stopped_on_one_process_goes_on_at_another_layout_as_the_unbroken_
     assert steps == list(range(1, w.STEPS + 1))  # the first run's records past its checkpoint were dropped
     got, want, before = (w.by_step(d, "loss") for d in (resumed, unbroken, first))
     assert all(got[s] == before[s] for s in range(1, w.STOP + 1))  # its own history, kept
-    for key in ("loss", "grad_norm"):
+    # the grad norm, summed over every weight, moves more: up to 1.0e-6 relative at dp3ep3 on the data of Python
+    # 3.12's stdlib (1.2e-7 on 3.11's, loss 1.5e-7)
+    for key, rel in (("loss", 1e-6), ("grad_norm", 4e-6)):
         g, u = w.by_step(resumed, key), w.by_step(unbroken, key)
-        assert all(abs(g[s] - u[s]) <= 1e-6 * abs(u[s]) for s in AFTER), (key, g, u)
+        assert all(abs(g[s] - u[s]) <= rel * abs(u[s]) for s in AFTER), (key, g, u)
     evals, want_evals = w.by_step(resumed, "eval_loss"), w.by_step(unbroken, "eval_loss")
     assert sorted(evals) == [0, w.STOP, w.STEPS] and abs(evals[w.STEPS] - want_evals[w.STEPS]) <= 1e-6
     end, end_want = w.checkpoint_of(resumed, w.STEPS), w.checkpoint_of(unbroken, w.STEPS)

@@ -240,4 +240,7 @@ def _record_error(tmp: Path, rank: int, e: BaseException) -> None:
 def _read_errors(tmp: Path) -> str:
     if not _is_own_dir(tmp):
         return ""
-    return "; ".join(f"{p.stem}: {p.read_text()}" for p in sorted(tmp.glob("rank-*.error")))
+    # listed with iterdir, not glob: from Python 3.12 glob drops an error listing the folder (read as no rank having
+    # failed, the save went on); 3.11's raised it, naming the folder, as every Python's iterdir does
+    records = sorted(p for p in tmp.iterdir() if p.name.startswith("rank-") and p.name.endswith(".error"))
+    return "; ".join(f"{p.stem}: {p.read_text()}" for p in records)

@@ -16,9 +16,10 @@ import contextlib
 import hashlib
 import json
 import os
+import threading
 import zlib
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,8 +82,7 @@ def write_shard_file(
     # Three streams overlap: this thread copies bytes into the page cache, one worker
     # checksums the same chunks (in order), another starts writeback with fdatasync
     # every _FLUSH bytes so the final fsync does not write the whole file at once.
-    with naming(path), open(path, "wb", buffering=0) as f, ThreadPoolExecutor(1) as summer, \
-            ThreadPoolExecutor(1) as flusher:
+    with naming(path), open(path, "wb", buffering=0) as f, _worker() as summer, _worker() as flusher:
         pending_flush = None
         for chunk in _chunks(head, entries):
             summer.submit(check.update, chunk)
@@ -97,6 +97,40 @@ def write_shard_file(
             pending_flush.result()
         os.fsync(f.fileno())
     return FileRecord(total, check.hexdigest())
+
+
+def _worker() -> ThreadPoolExecutor | _ThisThread:
+    """A pool of one thread; or this thread, where none can start: CPython 3.12.0 and 3.12.1 refuse new threads in
+    exit hooks (fixed in 3.12.2, gh-113964), where a save left in flight is finished (async_save._settle_all); the
+    save failed there with "can't create new thread at interpreter shutdown"."""
+    probe = threading.Thread(target=int)
+    try:
+        probe.start()
+    except RuntimeError:
+        return _ThisThread()
+    probe.join()
+    return ThreadPoolExecutor(1)
+
+
+class _ThisThread:
+    """An executor that runs each call as it is submitted, on the caller's thread."""
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as e:  # noqa: BLE001 - raised by result(), as a pool's future raises it
+            future.set_exception(e)
+        return future
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+    def __enter__(self) -> _ThisThread:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
 
 
 def _chunks(head: bytes, entries: list[tuple[str, torch.Tensor]]) -> Iterator[memoryview]:
