@@ -177,6 +177,10 @@ class OpenCheckpoint:
         self._check_open()
         if requests is None:
             requests = [LoadRequest(name) for name in self._index.tensors]
+        if isinstance(requests, (str, LoadRequest)):  # list() split a name into letters, each "a str" to wrap
+            name = requests if isinstance(requests, str) else requests.name
+            raise TypeError(f"requests is a {type(requests).__name__} ({requests!r:.80}), expected a list of "
+                            f"LoadRequests (e.g. [LoadRequest({name!r})])")
         requests = list(requests)  # read twice below: a generator returned {} without a word
         _validate(self.path, self._index, requests)
         return {req.name: _assemble(self._index, self._files, req, device, require_finite, lend_views)

@@ -11,6 +11,7 @@ before any process group, buffer or collective exists, so a bad layout never han
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 
@@ -85,7 +86,13 @@ class ParallelLayout:
 
     def coords(self, rank: int) -> RankCoords:
         if not _is_int(rank):  # "1" failed on `<=`, naming nothing; 1.0 gave float coordinates
-            raise ValueError(f"rank={rank!r}: expected an integer in [0, {self.world_size})")
+            try:  # numpy's integers (and a 0-dim integer tensor) are ones: operator.index takes them
+                index = None if isinstance(rank, bool) else operator.index(rank)
+            except TypeError:
+                index = None
+            if index is None:
+                raise ValueError(f"rank={rank!r}: expected an integer in [0, {self.world_size})")
+            rank = index
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} is outside [0, {self.world_size})")
         pp_rank, dp_rank = divmod(rank, self.dp)

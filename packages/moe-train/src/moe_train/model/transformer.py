@@ -90,6 +90,8 @@ def _check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
         raise ValueError(f"tokens must be [B, S] (batch, sequence), got shape {tuple(tokens.shape)}")
     if tokens.device.type != "cpu" or torch.compiler.is_compiling() or tokens.dtype.is_floating_point:
         return  # (float ids: the embedding's own error names the dtypes it takes)
+    if type(tokens) is not torch.Tensor or torch._C._functorch.is_functorch_wrapped_tensor(tokens):
+        return  # no values to read: a FakeTensor, or ids batched by torch.func.vmap (bool() of them raised)
     bad = (tokens < 0) | (tokens >= vocab_size)
     if bool(bad.any()):
         b, s = (int(i) for i in bad.nonzero()[0])

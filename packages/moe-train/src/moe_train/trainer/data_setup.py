@@ -14,7 +14,7 @@ def default_data_dir(cfg: DataConfig) -> Path:
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
     # Every setting that changes the folder's contents is in its name, so a changed one prepares a new folder;
     # the default eval fraction leaves the name as it always was (folders already prepared stay in use).
-    split = "" if cfg.eval_fraction == DataConfig.eval_fraction else f"-e{cfg.eval_fraction!r}"
+    split = "" if cfg.eval_fraction == DataConfig.eval_fraction else f"-e{float(cfg.eval_fraction)!r}"
     return Path(cfg.cache_dir) / f"stdlib-{py}-v{cfg.default_vocab_size}-b{cfg.default_max_bytes}{split}"
 
 
