@@ -20,23 +20,12 @@ from moe_ckpt import (
 )
 from moe_ckpt.hf import export_hf_folder
 
-MODEL = {"vocab_size": 32, "d_model": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "head_dim": None,
-         "qk_norm": False, "rope_theta": 10000.0, "norm_eps": 1e-6, "dense_hidden": 24, "dense_layers": [],
-         "num_experts": 0, "expert_hidden": 16, "shared_expert_hidden": 0, "tie_embeddings": False,
-         "init_std": 0.02, "router": {"gating": "softmax", "top_k": 1, "normalize_top_k": True, "routing": "learned",
-                                      "expert_bias": False}}
+# the one-layer dense model and its tensors test_qa33_export_symlink.py exports
+from test_qa33_export_symlink import MODEL, state as _state
 
 
 def model_state() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    out = {"embed.weight": torch.randn(32, 16, generator=g), "norm.weight": torch.ones(16),
-           "lm_head.weight": torch.randn(32, 16, generator=g),
-           "blocks.0.attn_norm.weight": torch.ones(16), "blocks.0.mlp_norm.weight": torch.ones(16)}
-    for p, shape in (("q", (16, 16)), ("k", (8, 16)), ("v", (8, 16)), ("o", (16, 16))):
-        out[f"blocks.0.attn.{p}_proj.weight"] = torch.randn(shape, generator=g)
-    for p, shape in (("gate", (24, 16)), ("up", (24, 16)), ("down", (16, 24))):
-        out[f"blocks.0.mlp.{p}.weight"] = torch.randn(shape, generator=g)
-    return out
+    return _state(0)
 
 
 @pytest.fixture
