@@ -40,7 +40,7 @@ def test_empty_documents_are_left_out_of_the_corpus(tmp_path, data_dir):
 
 def test_a_corpus_too_small_to_split_is_a_data_error_not_a_traceback():
     """It was a bare ValueError: a traceback from the command line instead of one line and exit 2."""
-    with pytest.raises(DataError, match=r"the corpus is 1 tokens .* too few to hold out an eval split"):
+    with pytest.raises(DataError, match=r"the corpus is 1 token .* too few to hold out an eval split"):
         eval_blocks(1, 0.02, 2048)
 
 

@@ -54,7 +54,8 @@ def eval_blocks(num_tokens: int, eval_fraction: float, block: int) -> tuple[int,
     if not is_eval.any():
         is_eval[-1] = True
     if is_eval.all():
-        raise DataError(f"the corpus is {num_tokens} tokens (documents and their end-of-text tokens), too few to "
+        count = f"{num_tokens} token{'' if num_tokens == 1 else 's'}"
+        raise DataError(f"the corpus is {count} (documents and their end-of-text tokens), too few to "
                         f"hold out an eval split ({eval_fraction:g} of the blocks of tokens); give prepare-data "
                         f"more text")
     return block, is_eval

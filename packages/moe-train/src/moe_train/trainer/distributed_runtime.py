@@ -46,8 +46,12 @@ class DistributedRuntime:
     """
 
     def __init__(self, cfg: Config, device: torch.device, groups: ParallelGroups,
-                 param_dtype: torch.dtype | None = None, overlap: bool = True):
+                 param_dtype: torch.dtype | None = None, overlap: bool = True, owns_world: bool = True):
         self.cfg = cfg
+        # owns_world=False: the default process group is the caller's (initialised before make_runtime), so close()
+        # destroys only the groups this runtime's run made and leaves the caller's world working
+        self.owns_world = owns_world
+        self.made_groups = [groups.dp, groups.ep, groups.edp, groups.pp]
         self.device = device
         self.groups = groups
         self.param_dtype = param_dtype
@@ -172,6 +176,7 @@ class DistributedRuntime:
         default, so a save whose peer is gone fails as soon as a training collective would."""
         timeout = timedelta(seconds=self.cfg.parallel.collective_timeout_s)
         group = dist.new_group(backend="gloo", timeout=timeout)
+        self.made_groups.append(group)
         return lambda: dist.barrier(group=group)
 
     # ---- state -----------------------------------------------------------------------------
@@ -225,5 +230,8 @@ class DistributedRuntime:
     def close(self) -> None:
         if self.sync is not None:
             self.sync.remove_hooks()
-        if dist.is_initialized():
+        if dist.is_initialized() and self.owns_world:
             dist.destroy_process_group()
+        elif dist.is_initialized():
+            for group in {id(g): g for g in self.made_groups if g is not dist.group.WORLD}.values():
+                dist.destroy_process_group(group)

@@ -126,7 +126,7 @@ def make_runtime(cfg: Config, device: torch.device) -> Runtime:
     try:
         groups = build_groups(layout, cfg.model.num_experts, timeout=timeout)
         param_dtype = torch.bfloat16 if p.param_dtype == "bf16" else None
-        return DistributedRuntime(cfg, device, groups, param_dtype=param_dtype)
+        return DistributedRuntime(cfg, device, groups, param_dtype=param_dtype, owns_world=initialised_here)
     except BaseException:
         if initialised_here:  # the runtime that would close it does not exist
             dist.destroy_process_group()

@@ -49,11 +49,14 @@ class Trainer:
                               "log file there (move the folder, or use another train.run_dir)")
         check_embedded_corpus_settings(cfg)
         refuse_a_router_the_loss_cannot_train(cfg.model)
-        if t.threads > 0:
-            torch.set_num_threads(t.threads)
         self.runtime = runtime or make_runtime(cfg, pick_device(t.device))
         self.run_lock: RunFolderLock | None = None
+        # train.threads holds for this run only: the process's count comes back when the run ends (the next run
+        # of a notebook or sweep with threads=0 gets torch's default, not this run's)
+        self.threads_before = torch.get_num_threads()
         try:
+            if t.threads > 0:
+                torch.set_num_threads(t.threads)
             rt = self.runtime
             self.device = rt.device
             self.is_main = rt.rank == 0
@@ -135,8 +138,10 @@ class Trainer:
         self._release_run_dir()
 
     def _release_run_dir(self) -> None:
+        """The run folder's lock dropped and the process's thread count (train.threads) given back."""
         if self.run_lock is not None:
             self.run_lock.release()
+        torch.set_num_threads(self.threads_before)
 
     # -- pieces -----------------------------------------------------------------------------
     def _amp(self):
