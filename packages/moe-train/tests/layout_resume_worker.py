@@ -60,7 +60,4 @@ def worker(rank: int, world: int, ports: list[int], jobs: list[tuple], out_dir: 
 
 
 def spawn(world: int, jobs: list[tuple], out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ports = [h.free_port() for _ in jobs]
-    h.start_ranks(worker, args=(world, ports, jobs, str(out_dir)), nprocs=world)
-    h.load_results(out_dir, world)
+    h.spawn_jobs(worker, world, jobs, out_dir)

@@ -193,10 +193,7 @@ def worker(rank: int, world: int, ports: list[int], jobs: list[Job], out_dir: st
 
 def spawn(world: int, jobs: list[Job], out_dir: Path) -> list[dict]:
     """Run jobs on `world` gloo ranks; a job that is not a refusal and fails fails the spawn."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ports = [h.free_port() for _ in jobs]
-    h.start_ranks(worker, args=(world, ports, jobs, str(out_dir)), nprocs=world)
-    return h.load_results(out_dir, world)
+    return h.spawn_jobs(worker, world, jobs, out_dir)
 
 
 # ---- load at one layout, save again at once: the state must come back unchanged ------------------------------

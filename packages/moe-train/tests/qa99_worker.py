@@ -113,10 +113,7 @@ def worker(rank: int, world: int, ports: list[int], jobs: list[tuple], out_dir: 
 
 
 def spawn(world: int, jobs: list[tuple], out_dir: Path) -> list[dict]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ports = [h.free_port() for _ in jobs]
-    h.start_ranks(worker, args=(world, ports, jobs, str(out_dir)), nprocs=world)
-    return h.load_results(out_dir, world)
+    return h.spawn_jobs(worker, world, jobs, out_dir)
 
 
 def checkpoint_of(run_dir: Path, step: int) -> Path:

@@ -155,6 +155,14 @@ def release_process_groups() -> None:
     gc.collect()  # a group freed here has its threads joined while the interpreter is whole
 
 
+def spawn_jobs(worker, world: int, jobs: list, out_dir: Path) -> list[dict]:  # noqa: ANN001
+    """worker(rank, world, ports, jobs, out_dir) on `world` ranks, one free port per job; every rank's results."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ports = [free_port() for _ in jobs]
+    start_ranks(worker, args=(world, ports, jobs, str(out_dir)), nprocs=world)
+    return load_results(out_dir, world)
+
+
 def load_results(out_dir: Path, world: int) -> list[dict]:
     results = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
     for r, res in enumerate(results):
