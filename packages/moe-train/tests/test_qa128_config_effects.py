@@ -566,6 +566,20 @@ def check_runtime_choices(ctx: Ctx, name: str) -> None:
     trainer._release_run_dir()
 
 
+@effect("train.loss_chunk_tokens", what="the model's loss chunks; the same losses; no whole logits kept for backward")
+def check_loss_chunks(ctx: Ctx, name: str) -> None:
+    trainer, chunked, _ = ctx.run(ctx.cfg(**{name: 9}))
+    assert trainer.model.loss_chunk_tokens == 9
+    _, plain, _ = ctx.run(ctx.cfg())
+    torch.testing.assert_close([r["loss"] for r in steps(chunked)], [r["loss"] for r in steps(plain)], rtol=1e-5,
+                               atol=1e-6)
+    sizes = []
+    x = torch.randint(0, trainer.cfg.model.vocab_size, (4, trainer.cfg.data.seq_len))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+        trainer.model.loss(x, x)
+    assert max(sizes) < x.numel() * trainer.cfg.model.vocab_size
+
+
 @effect("train.progress", what="the progress bar and lines on the terminal")
 def check_progress(ctx: Ctx, name: str, capsys) -> None:
     ctx.run(ctx.cfg(**{"train.steps": 1, "train.eval_interval": 1, name: False}))

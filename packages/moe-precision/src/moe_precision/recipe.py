@@ -70,7 +70,12 @@ class Bf16Linear(nn.Linear):
     torch's slower gradient cast back to fp32); autocast still casts the input."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, cast_weight(self.weight, gemm_dtype(x, self.weight.dtype)), self.bias)
+        return F.linear(x, self.gemm_weight(x), self.bias)
+
+    def gemm_weight(self, x: torch.Tensor) -> torch.Tensor:
+        """The weight [out, in] as this layer's GEMM consumes it for input x (the autocast dtype when enabled),
+        differentiable: a caller that runs the GEMM itself (a chunked LM head and loss) casts the weight once."""
+        return cast_weight(self.weight, gemm_dtype(x, self.weight.dtype))
 
 
 def _require_tensors(**named: tuple[object, str]) -> None:

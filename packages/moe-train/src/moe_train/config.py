@@ -131,6 +131,9 @@ class TrainConfig:
     # torch.compile each block's attention, its norms and a dense layer's SwiGLU, and the loss's cross-entropy;
     # the MoE layers stay eager (their kernels are fused already). Compiled at the first step
     compile: bool = False
+    # the LM head and the loss computed this many tokens at a time: the [tokens, vocab] logits and their gradient
+    # are never held whole (~20 GB at vocab 100k and 16k tokens a micro-batch). 0 = the whole micro-batch at once
+    loss_chunk_tokens: int = 0
     progress: bool = True
     threads: int = 0  # torch CPU threads; 0 = leave torch's default
     max_skipped_steps: int = 10  # consecutive non-finite steps before the run stops with an error
@@ -383,6 +386,8 @@ def validate(cfg: Config) -> Config:
            f">= 0 and <= {MAX_THREADS} (0 leaves torch's default)")
     _choice("train.device", t.device, ("auto", "cpu", "cuda"))
     _choice("train.activation_checkpointing", t.activation_checkpointing, ACTIVATION_CHECKPOINTING)
+    _check(t.loss_chunk_tokens >= 0, "train.loss_chunk_tokens", t.loss_chunk_tokens,
+           "an integer >= 0 (tokens per chunk of the LM head and loss; 0 = no chunks)")
     for name in ("dp", "ep", "pp"):
         _check(getattr(p, name) >= 1, f"parallel.{name}", getattr(p, name), "a positive integer")
     _choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))

@@ -14,6 +14,7 @@ from torch import nn
 from moe_precision import PrecisionRecipe
 from moe_train.config import ACTIVATION_CHECKPOINTING, ModelConfig, validate_model
 from moe_train.model.attention import Attention
+from moe_train.model.chunked_loss import IGNORED_TARGET, bad_targets, chunked_head_cross_entropy
 from moe_train.model.layers import RMSNorm, SwiGLU, fp32_or_wider
 from moe_train.model.rope import rope_tables
 from moe_train.model.moe import MoELayer, RoutedExperts
@@ -59,9 +60,6 @@ def _generator(seed: int, name: str, device: torch.device, expert: int | None = 
     return torch.Generator(device=device).manual_seed((seed * 0x9E3779B1 + key) % 2**63)
 
 
-IGNORED_TARGET = -100  # F.cross_entropy's default ignore_index, as transformers' labels use it
-
-
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of logits [..., V] in fp32 (float64 for float64 logits), -100 targets left out."""
     return F.cross_entropy(logits.to(fp32_or_wider(logits.dtype)).reshape(-1, logits.shape[-1]), targets.reshape(-1),
@@ -73,11 +71,6 @@ def compiled_cross_entropy() -> Callable[[torch.Tensor, torch.Tensor], torch.Ten
     """cross_entropy under torch.compile (train.compile): the fp32 upcast of the logits fused into the loss and
     its gradient instead of a [tokens, V] fp32 copy. Built once, at the first use."""
     return torch.compile(cross_entropy)
-
-
-def _has_bad_target(targets: torch.Tensor, vocab_size: int) -> bool:
-    """targets hold an id outside [0, vocab_size) other than IGNORED_TARGET."""
-    return bool(((targets != IGNORED_TARGET) & ((targets < 0) | (targets >= vocab_size))).any())
 
 
 def _check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
@@ -113,6 +106,7 @@ class Transformer(nn.Module):
         validate_model(cfg)
         self.cfg = cfg
         self.compiled = False  # set_compile
+        self.loss_chunk_tokens = 0  # set_loss_chunk_tokens: 0 = the whole micro-batch's logits at once
         recipe = PrecisionRecipe(cfg.precision) if recipe is None else recipe
         with torch.device(device) if device is not None else nullcontext():
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -165,6 +159,11 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens: [B, S] int64 -> (logits [B, S, V], summed router aux loss)."""
+        h, aux = self.hidden(tokens)
+        return self.lm_head(h), aux
+
+    def hidden(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens: [B, S] int64 -> (the final norm's output [B, S, d], the LM head's input; summed router aux loss)."""
         _check_tokens(tokens, self.cfg.vocab_size)
         x = self.embed(tokens)
         cos, sin = self._rope(tokens.shape[1], tokens.device, fp32_or_wider(x.dtype))
@@ -172,20 +171,45 @@ class Transformer(nn.Module):
         for block in self.blocks:
             x, a = block(x, cos, sin)
             aux = aux + a
-        return self.lm_head(self.norm(x)), aux
+        return self.norm(x), aux
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean next-token cross-entropy (fp32; float64 for a float64 model) and the router aux loss.
 
         A target of -100 (F.cross_entropy's ignore_index, as in transformers' labels) is left out of the mean:
         padding or a prompt not to be trained on (all of a batch's: NaN, as torch gives, and the trainer skips the
-        step). Any other target outside [0, vocab_size) is an error."""
+        step). Any other target outside [0, vocab_size) is an error.
+
+        With loss_chunk_tokens > 0 (train.loss_chunk_tokens) the LM head and the loss run that many tokens at a time
+        and never hold the whole [B, S, V] logits (model/chunked_loss.py); train.compile then leaves the loss eager.
+        That path calls the model's parts (hidden, the head's weight), not forward: a forward hook on the model does
+        not see it, and under FSDP2 the runtime registers this method as a forward method."""
+        if self.loss_chunk_tokens:
+            h, aux = self.hidden(tokens)
+            return chunked_head_cross_entropy(h, self._head_gemm_weight(h), targets, self.loss_chunk_tokens), aux
         logits, aux = self(tokens)
         # inductor's CPU kernel aborts the whole process on a target outside [0, V) (C++ terminate, nothing to catch):
         # such a batch takes the eager loss, which raises IndexError naming it (on a GPU eager asserts as well)
-        compiled = self.compiled and not (targets.device.type == "cpu" and _has_bad_target(targets, logits.shape[-1]))
+        compiled = self.compiled and not (targets.device.type == "cpu"
+                                          and bool(bad_targets(targets, logits.shape[-1]).any()))
         ce = (compiled_cross_entropy() if compiled else cross_entropy)(logits, targets)
         return ce, aux
+
+    def _head_gemm_weight(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head's weight as its GEMM consumes it for input h (the recipe's linear casts it once per call)."""
+        head = self.lm_head
+        if getattr(head, "bias", None) is not None or not callable(getattr(head, "gemm_weight", None)):
+            raise TypeError(f"train.loss_chunk_tokens={self.loss_chunk_tokens} needs an LM head without a bias that "
+                            f"hands out its GEMM weight (gemm_weight(x), as the precision recipe's linear does); "
+                            f"this model's is a {type(head).__name__}")
+        return head.gemm_weight(h)
+
+    def set_loss_chunk_tokens(self, tokens: int) -> None:
+        """How many tokens the LM head and loss take at a time (train.loss_chunk_tokens, set by the runtime): 0 = the
+        whole micro-batch's logits at once. Changes no parameter or buffer, and not forward (which returns logits)."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"loss_chunk_tokens={tokens!r}: expected an integer >= 0 (0 = no chunks)")
+        self.loss_chunk_tokens = tokens
 
     def set_compile(self, enabled: bool) -> None:
         """train.compile (set by the runtime): torch.compile each block's attention, its two norms and a dense
@@ -207,6 +231,7 @@ class Transformer(nn.Module):
         """A copy (copy.deepcopy, pickle, torch.save of the module) is compiled as its original was: nn.Module drops
         what compile() set when it is copied, which left a copy saying compiled=True and running its modules eager."""
         super().__setstate__(state)
+        self.__dict__.setdefault("loss_chunk_tokens", 0)  # a module pickled before set_loss_chunk_tokens existed
         if self.__dict__.setdefault("compiled", False):  # a module pickled before train.compile: eager
             self.set_compile(True)
 

@@ -1,0 +1,39 @@
+"""Spawned ranks of test_chunked_loss_parallel.py (importable by name, so child processes can unpickle them).
+
+Two ranks train the shrunk tiny preset for a few steps with train.loss_chunk_tokens 0 and > 0: the FSDP2 baseline
+at dp=2 (Transformer.loss runs as a registered forward method, so the root's parameters are gathered for the
+chunked head) and DDP at dp=2, ep=2 with tied embeddings (the head's gradient joins the embedding's)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import test_parallel_harness as h
+from moe_train.config import Config
+
+STEPS = 3
+CHUNK = 5  # 64 tokens a micro-batch per rank: 13 chunks, the last one of 4
+
+
+def layout(name: str, chunk: int) -> Config:
+    cfg = h.shrunk_tiny(2, 2) if name == "ep" else h.shrunk_tiny(2, 1, strategy="fsdp")
+    cfg.model.tie_embeddings = name == "ep"
+    cfg.train.steps, cfg.train.save_interval, cfg.train.loss_chunk_tokens = STEPS, 0, chunk
+    return cfg
+
+
+def _run(cfg: Config, tokens: np.ndarray) -> dict:
+    from moe_train.trainer.launch import make_runtime
+
+    rt = make_runtime(cfg, torch.device("cpu"))
+    res = h.train(cfg, rt, tokens)
+    return {"losses": res["losses"], "norms": res["norms"], "weights": h.global_weights(rt, res["model"]),
+            "chunk": res["model"].loss_chunk_tokens}
+
+
+def worker2(rank: int, port: int, tokens: np.ndarray) -> dict:
+    h.worker_env(rank, 2, port)
+    out = {f"{name}_{chunk}": _run(layout(name, chunk), tokens) for name in ("fsdp", "ep") for chunk in (0, CHUNK)}
+    torch.distributed.destroy_process_group()
+    return out
