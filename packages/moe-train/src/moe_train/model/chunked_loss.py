@@ -86,7 +86,10 @@ def _chunked_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, 
     dtype, targets [N]. The mean is over the targets that are not -100 (none: NaN, as F.cross_entropy gives)."""
     acc = fp32_or_wider(weight.dtype)
     valid = targets != IGNORED_TARGET
-    inverse_count = 1.0 / valid.sum().to(acc)  # inf when every target is ignored: the loss is 0 * inf = NaN
+    count = valid.sum().to(acc)
+    # the gradients' scale: 1 / count, and 0 when every target is ignored (the loss is then 0 / 0 = NaN, as
+    # F.cross_entropy gives, and its gradients 0 as F.cross_entropy's are, not 0 * inf = NaN)
+    inverse_count = 1.0 / count.clamp(min=1)
     loss_sum = torch.zeros((), dtype=acc, device=h.device)
     grad_h = torch.empty_like(h) if want_h else None
     grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
@@ -102,7 +105,7 @@ def _chunked_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, 
             grad_h[start:end] = grad @ weight  # (cast to h's dtype, as autocast's input cast hands it back)
         if grad_w is not None:
             _accumulate_product(grad_w, grad.T, hc)
-    return loss_sum * inverse_count, grad_h, grad_w
+    return loss_sum / count, grad_h, grad_w
 
 
 class _ChunkedHeadCrossEntropy(torch.autograd.Function):
@@ -116,8 +119,15 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss: torch.Tensor):
+        # grad mode is on during a backward only when a graph of it is being built (create_graph=True: a gradient
+        # penalty, a Hessian product). The gradients were computed in forward, outside any graph: once_differentiable
+        # refuses only when the incoming gradient requires grad, so autograd.grad(loss, w, create_graph=True) handed
+        # out a gradient with no second-order term (a penalty on it silently changed nothing). Refused here instead.
+        if torch.is_grad_enabled():
+            raise RuntimeError("chunked_head_cross_entropy (train.loss_chunk_tokens > 0) is differentiable once: its "
+                               "gradients are computed in forward, so create_graph=True (a second derivative) cannot "
+                               "be built; use loss_chunk_tokens=0 (the whole logits) for higher-order gradients")
         grad_h, grad_w = ctx.saved_tensors
         if grad_h is not None:
             grad_h = (grad_h.to(grad_loss.dtype) * grad_loss).to(grad_h.dtype)
