@@ -24,6 +24,7 @@ from moe_train.trainer.ctrl_c import CtrlCWatch, stop_description
 from moe_train.trainer.data_setup import check_embedded_corpus_settings, resolve_data_dir
 from moe_train.trainer.metrics import MetricsLog, max_over_ranks, peak_memory_gib, router_health
 from moe_train.trainer.mfu import run_peak_tflops
+from moe_train.trainer.peer_failure import PeerFailures, explain
 from moe_train.trainer.run_lock import RunFolderBusyError, RunFolderLock
 from moe_train.trainer.runtime import LocalRuntime, Runtime, StepResult
 from moe_train.trainer.launch import make_runtime, pick_device
@@ -58,6 +59,9 @@ class Trainer:
             if t.threads > 0:
                 torch.set_num_threads(t.threads)
             rt = self.runtime
+            # a rank whose run ends by an exception records it, so that the ranks its failure stops name it (made
+            # first, on every rank alike: each run numbers its records in the store)
+            self.peer_failures = PeerFailures(rt.rank, rt.world_size)
             self.device = rt.device
             self.is_main = rt.rank == 0
             data_dir = resolve_data_dir(cfg.data, is_main=False)
@@ -293,6 +297,8 @@ class Trainer:
             with self.ctrl_c:
                 summary = self._train()
         except BaseException as e:
+            # before the process group closes: its closing is what stops the ranks waiting for this one
+            self.peer_failures.publish(e, consequence=getattr(e, "peer_failure", False))
             self._close_runtime(e)
             raise
         self.runtime.close()
@@ -333,8 +339,18 @@ class Trainer:
                 summary = self._run(resumed)
             self.ctrl_c.check()  # one dropped while the last save was settling
         except BaseException as e:
-            self._log_stop(e)
-            raise
+            # a collective failed because another rank failed: that rank and its error, in the log and the error
+            stop = explain(e, self.peer_failures)
+            try:
+                self._log_stop(stop)
+                if stop is not e:
+                    raise stop from e
+                raise
+            finally:
+                # the error's traceback holds this frame: `stop` kept in it would be a cycle holding the failed step's
+                # frames, whose gradient reductions keep the process group's connections open after close(), so a
+                # failure inside backward left the other ranks waiting for parallel.collective_timeout_s
+                del stop
         stats = self.async_saver.last_stats if self.async_saver is not None else None
         if stats is not None:
             self.log.write({"event": "async_save", "stall_s": stats.stall_s, "write_s": stats.write_s})

@@ -1,0 +1,81 @@
+"""Which rank's failure stopped a multi-rank run, said on the ranks that only saw its consequence.
+
+A rank that raises in the middle of a step (its forward, its backward, its batch) leaves the others inside a
+collective the failed rank will never join. They stop when its process group is closed, with the backend's error
+(gloo: "Connection closed by peer"), which names neither the rank nor the cause; and rank 0's error is the one
+metrics.jsonl records. So a rank whose run ends by an exception first writes that exception to the process
+group's key-value store (the launcher's rendezvous, hosted by rank 0), then closes its groups; a rank whose
+collective then fails reads the store and raises a TrainingError naming the rank and its error, the backend's
+error as its cause. Best effort: no store (one process, a group of the caller's without one), a store that
+is gone, or no record (a rank killed outright) leave the error as it was.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch.distributed as dist
+
+from moe_train.trainer.errors import TrainingError
+
+_runs = itertools.count()  # every rank makes its runtimes in the same order: the same number names the same run
+
+
+class PeerFailures:
+    """The failure records of one run (its own keys in the store: a caller's world may carry several runs)."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self.prefix = f"moe_train/run{next(_runs)}/failed"
+        self.store = None
+        if world_size > 1 and dist.is_available() and dist.is_initialized():
+            try:
+                self.store = dist.distributed_c10d._get_default_store()
+            except Exception:  # noqa: BLE001 - no store: the errors stay as they are
+                self.store = None
+
+    def publish(self, e: BaseException, consequence: bool) -> None:
+        """Record this rank's error `e` (consequence: it only passes on another rank's failure)."""
+        if self.store is None:
+            return
+        from moe_train.trainer.ctrl_c import stop_description
+
+        text = stop_description(e) if isinstance(e, KeyboardInterrupt) else str(e)
+        try:
+            self.store.set(f"{self.prefix}/{self.rank}", f"{int(consequence)}{type(e).__name__}: {text}"[:2000])
+        except Exception:  # noqa: BLE001 - the store may be gone with rank 0
+            pass
+
+    def first_cause(self) -> tuple[int, str] | None:
+        """(rank, its error) of the lowest other rank whose own failure was recorded, or None."""
+        if self.store is None:
+            return None
+        found = None
+        try:
+            for r in range(self.world_size):
+                key = f"{self.prefix}/{r}"
+                if r == self.rank or not self.store.check([key]):
+                    continue
+                value = self.store.get(key).decode(errors="replace")
+                if value[:1] == "0":
+                    return r, value[1:]
+                found = found or (r, value[1:])
+        except Exception:  # noqa: BLE001 - the store is gone with rank 0: nothing to read, or to write (publish)
+            self.store = None
+            return found
+        return found
+
+
+def explain(e: BaseException, failures: PeerFailures) -> BaseException:
+    """`e`, or a TrainingError naming the other rank whose failure `e` (a failed collective) passed on."""
+    # gloo raises a RuntimeError, NCCL a DistError (DistBackendError); the CLI's own errors are none of these
+    if type(e) is not RuntimeError and not isinstance(e, getattr(dist, "DistError", ())):
+        return e
+    cause = failures.first_cause()
+    if cause is None:
+        return e
+    rank, error = cause
+    stopped = TrainingError(f"rank {rank} of {failures.world_size} failed ({error}); rank {failures.rank} stopped "
+                            f"with it (its collective failed: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__})")
+    stopped.peer_failure = True
+    return stopped
