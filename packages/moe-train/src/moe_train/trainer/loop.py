@@ -52,6 +52,7 @@ class Trainer:
         refuse_a_router_the_loss_cannot_train(cfg.model)
         self.runtime = runtime or make_runtime(cfg, pick_device(t.device))
         self.run_lock: RunFolderLock | None = None
+        self.closed = False  # close(): the runtime closed, the run folder's lock and train.threads given back
         # train.threads holds for this run only: the process's count comes back when the run ends (the next run
         # of a notebook or sweep with threads=0 gets torch's default, not this run's)
         self.threads_before = torch.get_num_threads()
@@ -133,8 +134,26 @@ class Trainer:
         checked_on_rank0(self.runtime, lambda: self.log.write(record), TrainingError(
             f"rank 0 could not write {self.log.path} (its error says why); stopped with it"))
 
+    def close(self) -> None:
+        """Close the runtime (its process groups), drop the run folder's lock and give train.threads back. train()
+        does it when it ends; a Trainer built and not trained (to evaluate, or restore and inspect a checkpoint)
+        holds all three until this is called (or the `with Trainer(cfg) as trainer:` block ends). Idempotent."""
+        if not self.closed:
+            self.closed = True
+            try:
+                self.runtime.close()
+            finally:
+                self._release_run_dir()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _close_runtime(self, e: BaseException) -> None:
         """Close the runtime after `e` (the error to report): a failure to close becomes a note on e."""
+        self.closed = True
         try:
             self.runtime.close()
         except Exception as err:  # noqa: BLE001 - e is the error to report
@@ -292,7 +311,12 @@ class Trainer:
         However the run ends after its start event, metrics.jsonl gets an end event (why it stopped,
         for an error or Ctrl-C) and an async save in flight is settled first: it commits, or fails
         and leaves no tmp folder (a second Ctrl-C stops the wait; the next save removes what is left).
-        The runtime is closed (process groups destroyed) however train() ends."""
+        The runtime is closed (process groups destroyed) however train() ends, so a Trainer trains once: train()
+        again (or after close()) is refused; a new Trainer(cfg) resumes the run folder."""
+        if self.closed:
+            raise TrainingError(f"this Trainer is closed (its train() ended, or close() was called): its process "
+                                f"groups and the lock on train.run_dir={self.cfg.train.run_dir!r} are given back; build "
+                                "a new Trainer(cfg) to go on (it resumes from the run folder's latest checkpoint)")
         try:
             with self.ctrl_c:
                 summary = self._train()
@@ -301,8 +325,7 @@ class Trainer:
             self.peer_failures.publish(e, consequence=getattr(e, "peer_failure", False))
             self._close_runtime(e)
             raise
-        self.runtime.close()
-        self._release_run_dir()
+        self.close()
         return summary
 
     def _train(self) -> dict[str, Any]:
