@@ -158,9 +158,11 @@ class FlatParams:
                 param.grad = None
             elif slot.numel and param.grad.data_ptr() != grad_ptr:
                 # .grad was set to None (model.zero_grad(), torch's default set_to_none) and autograd made a new
-                # one: it holds the whole gradient since then, which the buffer must hold (else it is never reduced)
+                # one: it holds the gradient since then, which the buffer must hold (else it is never reduced). Added
+                # to what the step's earlier micro-batches left there, as the separate fp32 buffer keeps them (QA 136:
+                # copied over it, a zero_grad between micro-batches dropped them in this mode only)
                 view = flat.grad_view(slot)
-                view.copy_(param.grad)
+                view.add_(param.grad)
                 param.grad = view
             slot.has_grad = True
 
@@ -239,6 +241,19 @@ def _check_named_params(named_params: list) -> None:
     dtypes = {p.dtype for _, p in named_params}
     if len(dtypes) != 1:
         raise ValueError(f"parameters of one group must share a dtype, got {sorted(map(str, dtypes))}")
+    # a model built on the meta device and not materialized failed in the weight copy with torch's bare "Cannot copy
+    # out of meta tensor; no data!" (naming no parameter; the other ranks then met gloo's "Connection closed by peer")
+    on_meta = [n for n, p in named_params if p.is_meta]
+    if on_meta:
+        raise ValueError(
+            f"FlatParams got parameters on the meta device (shapes only, no data): {on_meta[:5]}"
+            f"{f' and {len(on_meta) - 5} more' if len(on_meta) > 5 else ''}; expected the model materialized first "
+            "(model.to_empty(device=...) and its initialisation), then FlatParams"
+        )
+    devices = {p.device for _, p in named_params}
+    if len(devices) != 1:  # the flat buffer lives on the first one's device: the others were silently copied there
+        raise ValueError(f"parameters of one group must share a device, got {sorted(map(str, devices))}; expected "
+                         "the model moved to one device first, then FlatParams")
     frozen = [n for n, p in named_params if not p.requires_grad]
     if frozen:
         raise ValueError(

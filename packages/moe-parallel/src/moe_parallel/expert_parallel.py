@@ -66,6 +66,14 @@ def apply_expert_parallel(
     ep, ep_rank = groups.layout.ep, groups.coords.ep_rank
     check_capacity_factor(capacity_factor)  # here too: with ep = 1 no dispatcher is built to check it
     layers = moe_layers(model)
+    if ep > 1 and not layers:
+        # nothing was sliced and no all-to-all installed: every rank would silently keep and train all experts,
+        # replicated over dp as dense weights (a MoE layer of the user's own that lacks one of the attributes)
+        raise ValueError(
+            f"apply_expert_parallel: ep={ep} but the model has no MoE layer (a module with num_experts, experts, "
+            "dispatcher and router attributes; expert_parallel.moe_layers finds them), so no expert would be split; "
+            "expected such layers (e.g. moe_kernels' MoE layer), or ep=1"
+        )
     # Every layer is checked before any is changed: a refused one must not leave the earlier ones sliced.
     dispatchers: list[TokenDispatcher | None] = []
     owners: dict[int, str] = {}
