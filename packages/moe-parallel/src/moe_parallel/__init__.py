@@ -9,7 +9,7 @@ from moe_parallel.layout import ParallelLayout, RankCoords
 from moe_parallel.optimizer import AdamWConfig, DistributedAdamW, OptimizerStepResult
 from moe_parallel.optimizer_state import OptimizerStatePiece
 
-__version__ = "0.10.10"
+__version__ = "0.10.11"
 
 __all__ = [
     "ParallelLayout",

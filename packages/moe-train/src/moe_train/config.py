@@ -414,6 +414,9 @@ def validate(cfg: Config) -> Config:
     _check(p.pp == 1, "parallel.pp", p.pp, "1 (pipeline parallelism is not built yet)")
     if p.ep > 1:
         _check(m.num_experts > 0, "parallel.ep", p.ep, "1: model.num_experts=0 is a dense model, no experts to spread")
+        _check(m.num_experts == 0 or any(m.is_moe_layer(i) for i in range(m.num_layers)), "parallel.ep", p.ep,
+               f"1: model.dense_layers={m.dense_layers} makes every one of the {m.num_layers} layers dense, no experts "
+               "to spread")
         _check(m.num_experts % p.ep == 0, "parallel.ep", p.ep, f"a divisor of model.num_experts={m.num_experts}")
         _check(p.dp % p.ep == 0, "parallel.ep", p.ep, f"a divisor of parallel.dp={p.dp} (experts fold over data parallelism)")
     _check(p.expert_capacity_factor == 0 or p.expert_capacity_factor >= 1, "parallel.expert_capacity_factor",

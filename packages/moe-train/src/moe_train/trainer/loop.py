@@ -137,19 +137,32 @@ class Trainer:
     def close(self) -> None:
         """Close the runtime (its process groups), drop the run folder's lock and give train.threads back. train()
         does it when it ends; a Trainer built and not trained (to evaluate, or restore and inspect a checkpoint)
-        holds all three until this is called (or the `with Trainer(cfg) as trainer:` block ends). Idempotent."""
+        holds all three until this is called (or the `with Trainer(cfg) as trainer:` block ends). A save() still in
+        flight (train.async_save) is settled first; its error is raised once all three are given back. Idempotent."""
         if not self.closed:
             self.closed = True
             try:
-                self.runtime.close()
+                # a save() in flight (train.async_save) commits first, and its error is raised here: closing the
+                # groups under it failed its barrier, and the lock went back while it still wrote in the folder
+                if self.async_saver is not None:
+                    self.async_saver.wait()
             finally:
-                self._release_run_dir()
+                try:
+                    self.runtime.close()
+                finally:
+                    self._release_run_dir()
 
     def __enter__(self) -> Trainer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as err:  # noqa: BLE001 - exc is the error leaving the with block
+            exc.add_note(f"closing the Trainer failed too: {type(err).__name__}: {err}")
 
     def _close_runtime(self, e: BaseException) -> None:
         """Close the runtime after `e` (the error to report): a failure to close becomes a note on e."""

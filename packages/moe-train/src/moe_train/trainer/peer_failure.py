@@ -18,7 +18,10 @@ import torch.distributed as dist
 
 from moe_train.trainer.errors import TrainingError
 
-_runs = itertools.count()  # every rank makes its runtimes in the same order: the same number names the same run
+# every rank makes its multi-rank runs in the same order: the same number names the same run. Only those are counted:
+# a one-process run on one rank alone (rank 0 evaluating with a LocalRuntime, say) has no records, and numbering it
+# too shifted that rank's numbers off the others' for every later run (no failure named, or a stale one)
+_runs = itertools.count()
 
 
 class PeerFailures:
@@ -26,7 +29,7 @@ class PeerFailures:
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
-        self.prefix = f"moe_train/run{next(_runs)}/failed"
+        self.prefix = f"moe_train/run{next(_runs) if world_size > 1 else 'local'}/failed"
         self.store = None
         if world_size > 1 and dist.is_available() and dist.is_initialized():
             try:
