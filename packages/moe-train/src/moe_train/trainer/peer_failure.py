@@ -69,10 +69,19 @@ class PeerFailures:
         return found
 
 
+def failed_collective(e: BaseException) -> bool:
+    """Whether `e` is a collective's failure: NCCL raises a DistError (DistBackendError); gloo a plain RuntimeError
+    whose text names gloo (its source file: "[.../gloo/transport/tcp/pair.cc:561] Connection closed by peer", a
+    timeout's "[.../gloo/...] Timed out waiting"). Any other RuntimeError is this rank's own error (a rank that failed
+    at about the same step as another one: its own error, not "stopped with it")."""
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    return type(e) is RuntimeError and "gloo" in str(e).lower()
+
+
 def explain(e: BaseException, failures: PeerFailures) -> BaseException:
     """`e`, or a TrainingError naming the other rank whose failure `e` (a failed collective) passed on."""
-    # gloo raises a RuntimeError, NCCL a DistError (DistBackendError); the CLI's own errors are none of these
-    if type(e) is not RuntimeError and not isinstance(e, getattr(dist, "DistError", ())):
+    if not failed_collective(e):
         return e
     cause = failures.first_cause()
     if cause is None:
