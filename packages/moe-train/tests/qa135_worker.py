@@ -133,13 +133,9 @@ FAULTS = {"raise": raise_in_step, "sigint": sigint, "tokens": bad_tokens, "nan":
           "backward": raise_in_backward, "stall": stall}
 
 
-def run_job(rank: int, job: Job) -> dict:
-    from moe_train.trainer.loop import Trainer
-
-    trainer = Trainer(config(job))
-    if rank == job.fault_rank:
-        FAULTS[job.name](trainer)
-    out: dict = {"rank": rank, "fault_at": None}
+def train_and_record(trainer, rank: int) -> dict:  # noqa: ANN001
+    """trainer.train() on this rank: its summary or what it raised, when it ended and when its fault fired."""
+    out: dict = {"rank": rank}
     try:
         out["summary"] = trainer.train()
         out["error"] = None
@@ -152,12 +148,28 @@ def run_job(rank: int, job: Job) -> dict:
     return out
 
 
-def worker(rank: int, world: int, ports: list[int], jobs: list[Job], out_dir: str) -> None:
+def run_jobs(rank: int, world: int, ports: list[int], jobs: list, out_dir: str, run_one) -> None:  # noqa: ANN001
+    """run_one(rank, job) -> (key, result) for each job in turn, each in a process group of its own; every result
+    saved under its key (qa137_worker and qa138_worker run their own jobs through this)."""
     def body(_rank: int) -> dict:
         out = {}
         for port, job in zip(ports, jobs):
             h.worker_env(rank, world, port)
-            out[job.run_dir] = run_job(rank, job)
+            key, result = run_one(rank, job)
+            out[key] = result
             h.release_process_groups()
         return out
     h.run_guarded(rank, body, out_dir)
+
+
+def run_job(rank: int, job: Job) -> tuple[str, dict]:
+    from moe_train.trainer.loop import Trainer
+
+    trainer = Trainer(config(job))
+    if rank == job.fault_rank:
+        FAULTS[job.name](trainer)
+    return job.run_dir, train_and_record(trainer, rank)
+
+
+def worker(rank: int, world: int, ports: list[int], jobs: list[Job], out_dir: str) -> None:
+    run_jobs(rank, world, ports, jobs, out_dir, run_job)

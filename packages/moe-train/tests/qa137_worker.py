@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import traceback
 from pathlib import Path
 
 import torch
 
 import qa135_worker as q
-import test_parallel_harness as h
 
 
-def run_job(rank: int, job: q.Job, local_first: bool) -> dict:
+def run_job(rank: int, item: tuple[q.Job, bool]) -> tuple[str, dict]:
+    job, local_first = item
     from moe_train.trainer.loop import Trainer
     from moe_train.trainer.runtime import LocalRuntime
 
@@ -24,23 +23,8 @@ def run_job(rank: int, job: q.Job, local_first: bool) -> dict:
     trainer = Trainer(q.config(job))
     if rank == job.fault_rank:
         q.FAULTS[job.name](trainer)
-    out: dict = {"rank": rank}
-    try:
-        out["summary"] = trainer.train()
-        out["error"] = None
-    except BaseException as e:  # noqa: BLE001 - what each rank raised is the result
-        out["error"] = type(e).__name__
-        out["message"] = str(e)
-        out["trace"] = "".join(traceback.format_exception(e))
-    return out
+    return job.run_dir, q.train_and_record(trainer, rank)
 
 
 def worker(rank: int, world: int, ports: list[int], jobs: list[tuple[q.Job, bool]], out_dir: str) -> None:
-    def body(_rank: int) -> dict:
-        out = {}
-        for port, (job, local_first) in zip(ports, jobs):
-            h.worker_env(rank, world, port)
-            out[job.run_dir] = run_job(rank, job, local_first)
-            h.release_process_groups()
-        return out
-    h.run_guarded(rank, body, out_dir)
+    q.run_jobs(rank, world, ports, jobs, out_dir, run_job)

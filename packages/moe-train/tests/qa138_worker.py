@@ -8,14 +8,12 @@ RuntimeError(f"boom-{rank}") injected on each rank of `fault_ranks` inside model
 from __future__ import annotations
 
 import time
-import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
 
 import qa135_worker as q
-import test_parallel_harness as h
 
 
 @dataclass
@@ -43,7 +41,7 @@ def boom(trainer, rank: int, delay: float) -> None:  # noqa: ANN001
     q._at_fault_step(trainer, fail)
 
 
-def run_job(rank: int, job: Job) -> dict:
+def run_job(rank: int, job: Job) -> tuple[str, dict]:
     from moe_train.trainer.loop import Trainer
 
     if job.caller_group:
@@ -51,25 +49,8 @@ def run_job(rank: int, job: Job) -> dict:
     trainer = Trainer(config(job))
     if rank in job.fault_ranks:
         boom(trainer, rank, job.delays.get(rank, 0.0))
-    out: dict = {"rank": rank}
-    try:
-        out["summary"] = trainer.train()
-        out["error"] = None
-    except BaseException as e:  # noqa: BLE001 - what each rank raised is the result
-        out["error"] = type(e).__name__
-        out["message"] = str(e)
-        out["trace"] = "".join(traceback.format_exception(e))
-    out["ended_at"] = time.time()
-    out["fault_at"] = getattr(trainer, "fault_at", None)
-    return out
+    return job.run_dir, q.train_and_record(trainer, rank)
 
 
 def worker(rank: int, world: int, ports: list[int], jobs: list[Job], out_dir: str) -> None:
-    def body(_rank: int) -> dict:
-        out = {}
-        for port, job in zip(ports, jobs):
-            h.worker_env(rank, world, port)
-            out[job.run_dir] = run_job(rank, job)
-            h.release_process_groups()
-        return out
-    h.run_guarded(rank, body, out_dir)
+    q.run_jobs(rank, world, ports, jobs, out_dir, run_job)
