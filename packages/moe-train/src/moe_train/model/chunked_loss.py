@@ -151,8 +151,7 @@ def chunked_head_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: t
     targets = targets.reshape(-1)
     _check_targets(targets, weight.shape[0])
     h = h.reshape(-1, h.shape[-1])
-    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        with torch.autocast(h.device.type, enabled=False):  # the dtypes are chosen here: weight's for the GEMMs
+    with torch.autocast(h.device.type, enabled=False):  # the dtypes are chosen here: weight's for the GEMMs
+        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
             return _ChunkedHeadCrossEntropy.apply(h, weight, targets, chunk_tokens)
-    with torch.autocast(h.device.type, enabled=False):
         return _chunked_loss(h, weight, targets, chunk_tokens, False, False)[0]
