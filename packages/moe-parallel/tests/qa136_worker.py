@@ -24,6 +24,7 @@ from moe_parallel import (
     GradientSync,
     ParallelLayout,
     apply_expert_parallel,
+    broadcast_module_state,
     build_groups,
 )
 from outcome import timed_outcome
@@ -187,15 +188,18 @@ def zero_grad_mid_step(rank: int, world: int) -> dict:
     return out
 
 
-def frozen_after_setup(rank: int) -> dict:
+def frozen_after_setup(rank: int, world: int) -> dict:
     """The README's recipe on ranks seeded differently: a frozen parameter (left out of FlatParams, as the README says)
-    and a buffer. torch DDP broadcasts both from rank 0 at construction (its module-state sync)."""
+    and a buffer. torch DDP broadcasts both from rank 0 at construction (its module-state sync);
+    broadcast_module_state does here."""
     torch.manual_seed(100 + rank)
     model = nn.Linear(4, 3)
     model.proj = nn.Parameter(torch.randn(4, 4), requires_grad=False)  # random features, frozen
     model.register_buffer("running", torch.randn(3))
+    groups = build_groups(ParallelLayout(dp=world).validate(world, 1), 1, timeout=CHECK_TIMEOUT)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    FlatParams(named, dist.group.WORLD, shard=True)
+    FlatParams(named, groups.dp, shard=True)
+    broadcast_module_state(model, groups)
     gathered = {}
     for name, t in (("weight", model.weight), ("proj", model.proj), ("running", model.running)):
         parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
@@ -247,7 +251,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
                                 timeout=timedelta(seconds=30))
         res["train"] = train(rank, world)
         res["zero_grad_mid_step"] = zero_grad_mid_step(rank, world)
-        res["frozen_after_setup"] = frozen_after_setup(rank)
+        res["frozen_after_setup"] = frozen_after_setup(rank, world)
         res["ep_without_moe_layer"] = ep_without_moe_layer(rank, world)
         # last: on code where one rank's refusal leaves the others in a collective, they time out (CHECK_TIMEOUT)
         for key, fn in (("meta_everywhere", meta_everywhere), ("meta_on_one_rank", meta_on_one_rank)):

@@ -22,8 +22,11 @@ Found:
 - The README's recipe leaves frozen parameters out of FlatParams and says the weights are broadcast from the first
   rank "as torch DDP does, so replicas seeded differently start identical": only FlatParams' parameters are; torch DDP
   also broadcasts frozen parameters and buffers, and moe-parallel offers nothing that does, so a frozen random
-  projection or a buffer seeded per rank silently differs between replicas. Not fixed (it needs a new API): the README
-  now says so; strict xfail.
+  projection or a buffer seeded per rank silently differs between replicas. Fixed by a new function,
+  `broadcast_module_state(model, groups)` (module_state.py; frozen parameters and buffers from the first rank of dp,
+  those under a MoE layer's experts over edp), which the recipe calls after FlatParams;
+  `test_frozen_parameters_and_buffers_start_identical_on_every_rank_as_with_torch_ddp` (a strict xfail before) fails
+  without that call.
 
 Held: a model with a tied weight used twice in one graph, a 0-dim scalar, a 0-element parameter, a branch unused on
 one rank, a parameter never used, a frozen parameter left out, a parameter cut by the shards of 3 ranks, weights
@@ -153,10 +156,6 @@ def test_flat_params_broadcast_the_trained_weights_from_the_first_rank(ranks):
     assert ranks[0]["frozen_after_setup"]["weight"]  # the part that holds: replicas seeded differently start identical
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "QA 136: the README's recipe leaves frozen parameters out of FlatParams and says the weights are broadcast 'as torch "
-    "DDP does'; torch DDP also broadcasts frozen parameters and buffers from rank 0, moe-parallel has nothing that does, "
-    "so ranks seeded differently keep different frozen weights and buffers (their replicas compute other functions)"))
 def test_frozen_parameters_and_buffers_start_identical_on_every_rank_as_with_torch_ddp(ranks):
     for r in ranks:
         assert r["frozen_after_setup"]["proj"] and r["frozen_after_setup"]["running"]

@@ -6,10 +6,11 @@ from moe_parallel.expert_parallel import ExpertShard, apply_expert_parallel, exp
 from moe_parallel.fsdp import apply_fsdp
 from moe_parallel.groups import ParallelGroups, build_groups
 from moe_parallel.layout import ParallelLayout, RankCoords
+from moe_parallel.module_state import broadcast_module_state
 from moe_parallel.optimizer import AdamWConfig, DistributedAdamW, OptimizerStepResult
 from moe_parallel.optimizer_state import OptimizerStatePiece
 
-__version__ = "0.10.11"
+__version__ = "0.11.0"
 
 __all__ = [
     "ParallelLayout",
@@ -17,6 +18,7 @@ __all__ = [
     "ParallelGroups",
     "build_groups",
     "FlatParams",
+    "broadcast_module_state",
     "GradientSync",
     "AdamWConfig",
     "DistributedAdamW",
