@@ -48,14 +48,14 @@ def record_routing(model: torch.nn.Module) -> list[dict]:
 def record_losses(model: torch.nn.Module) -> list[float]:
     """The cross-entropy of every training micro-batch, in order."""
     losses: list[float] = []
-    real = model.loss
+    real = model.loss_terms
 
-    def loss(x, y):  # noqa: ANN001, ANN202
-        ce, aux = real(x, y)
+    def loss_terms(x, y):  # noqa: ANN001, ANN202
+        terms = real(x, y)
         if model.training:
-            losses.append(float(ce.detach()))
-        return ce, aux
-    model.loss = loss
+            losses.append(float(terms.ce.detach()))
+        return terms
+    model.loss_terms = loss_terms
     return losses
 
 

@@ -19,14 +19,14 @@ POISONED_STEP = 1  # the step (0-based, as trainer.step counts the steps done) w
 
 def poison_loss(trainer, on_this_rank: bool = True) -> None:  # noqa: ANN001
     """Add +inf to the training loss of POISONED_STEP's micro-batches."""
-    real = trainer.model.loss
+    real = trainer.model.loss_terms
 
-    def loss(x, y):  # noqa: ANN001, ANN202
-        ce, aux = real(x, y)
+    def loss_terms(x, y):  # noqa: ANN001, ANN202
+        terms = real(x, y)
         if trainer.model.training and trainer.step == POISONED_STEP and on_this_rank:
-            ce = ce + torch.tensor(float("inf"))
-        return ce, aux
-    trainer.model.loss = loss
+            terms = terms._replace(ce=terms.ce + torch.tensor(float("inf")))
+        return terms
+    trainer.model.loss_terms = loss_terms
 
 
 def record_weights_per_step(trainer) -> list[dict[str, torch.Tensor]]:  # noqa: ANN001

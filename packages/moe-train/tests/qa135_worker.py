@@ -46,15 +46,15 @@ def config(job: Job):  # noqa: ANN201
 
 # ---- faults: each patches one rank's trainer (called on the fault rank only) -------------------------------------
 def _at_fault_step(trainer, action) -> None:  # noqa: ANN001
-    """Run action() inside model.loss of the training micro-batch at FAULT_STEP."""
-    real = trainer.model.loss
+    """Run action() inside model.loss_terms of the training micro-batch at FAULT_STEP."""
+    real = trainer.model.loss_terms
 
-    def loss(x, y):  # noqa: ANN001, ANN202
+    def loss_terms(x, y):  # noqa: ANN001, ANN202
         if trainer.model.training and trainer.step == FAULT_STEP and getattr(trainer, "fault_at", None) is None:
             trainer.fault_at = time.time()  # once: the step's first micro-batch
             action(x, y)
         return real(x, y)
-    trainer.model.loss = loss
+    trainer.model.loss_terms = loss_terms
 
 
 def raise_in_step(trainer) -> None:  # noqa: ANN001
@@ -83,15 +83,15 @@ def bad_tokens(trainer) -> None:  # noqa: ANN001
 
 def nan_loss(trainer) -> None:  # noqa: ANN001
     """NaN loss on this rank from FAULT_STEP on (finite gradients: only the loss says so)."""
-    real = trainer.model.loss
+    real = trainer.model.loss_terms
 
-    def loss(x, y):  # noqa: ANN001, ANN202
-        ce, aux = real(x, y)
+    def loss_terms(x, y):  # noqa: ANN001, ANN202
+        terms = real(x, y)
         if trainer.model.training and trainer.step >= FAULT_STEP:
             trainer.fault_at = getattr(trainer, "fault_at", None) or time.time()
-            ce = ce + torch.tensor(float("nan"))
-        return ce, aux
-    trainer.model.loss = loss
+            terms = terms._replace(ce=terms.ce + torch.tensor(float("nan")))
+        return terms
+    trainer.model.loss_terms = loss_terms
 
 
 def save_fails(trainer) -> None:  # noqa: ANN001

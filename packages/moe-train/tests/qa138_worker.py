@@ -1,7 +1,7 @@
 """Spawned ranks of test_qa138_peer_failures.py (importable by name, so forkserver children can unpickle it).
 
 One job is one run of the real Trainer on `world` gloo ranks (dp=world) of a fresh process group, with a
-RuntimeError(f"boom-{rank}") injected on each rank of `fault_ranks` inside model.loss at the run's second step.
+RuntimeError(f"boom-{rank}") injected on each rank of `fault_ranks` inside model.loss_terms at the run's second step.
 `caller_group`: the rank runs dist.init_process_group itself before building the Trainer (a caller-owned group).
 """
 
@@ -24,7 +24,7 @@ class Job:
     fault_ranks: tuple = (1,)
     timeout_s: float = 8.0
     caller_group: bool = False
-    delays: dict = field(default_factory=dict)  # rank -> seconds it waits inside model.loss before raising
+    delays: dict = field(default_factory=dict)  # rank -> seconds it waits inside model.loss_terms before raising
     train: dict = field(default_factory=dict)
 
 

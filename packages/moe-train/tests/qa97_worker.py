@@ -44,17 +44,17 @@ def recorded_run(cfg: Config) -> list[tuple[bool, np.ndarray, np.ndarray]]:
     from moe_train.trainer.loop import Trainer
 
     seen = []
-    loss = Transformer.loss
+    loss_terms = Transformer.loss_terms  # what training calls, and eval through Transformer.loss
 
     def recording(model, tokens, targets):  # noqa: ANN001, ANN202
         seen.append((model.training, tokens.cpu().numpy().copy(), targets.cpu().numpy().copy()))
-        return loss(model, tokens, targets)
+        return loss_terms(model, tokens, targets)
 
-    Transformer.loss = recording
+    Transformer.loss_terms = recording
     try:
         Trainer(cfg).train()
     finally:
-        Transformer.loss = loss
+        Transformer.loss_terms = loss_terms
     return seen
 
 

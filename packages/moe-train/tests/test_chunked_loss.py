@@ -166,20 +166,22 @@ def test_config_field_reaches_the_model_and_bad_values_are_refused(tmp_path, dat
 
 def test_the_compiled_chunk_function_a_gpu_runs_equals_the_eager_one():
     """On a GPU each chunk's softmax, loss and logit gradient run as one torch.compile'd function; compiled here on
-    the CPU (inductor's C++ backend), it gives the eager function's values, with and without the gradient."""
+    the CPU (inductor's C++ backend), it gives the eager function's values, with and without the gradient, with and
+    without the LM head's z-loss folded into the gradient."""
     g = torch.Generator().manual_seed(5)
     for dtype in (torch.float32, torch.bfloat16):
         logits = (torch.randn(9, 301, generator=g) * 4).to(dtype)
         targets = torch.randint(0, 301, (9,), generator=g)
         kept = torch.rand(9, generator=g) > 0.3
         scale = torch.tensor(1 / 7.0)
-        for want_grad in (True, False):
-            want = _chunk_loss_and_grad(logits.clone(), targets, kept, scale, want_grad)
-            got = _compiled_chunk_loss_and_grad()(logits.clone(), targets, kept, scale, want_grad)
+        for z_weight, want_grad in ((0.0, True), (0.0, False), (0.25, True)):
+            want = _chunk_loss_and_grad(logits.clone(), targets, kept, scale, z_weight, want_grad)
+            got = _compiled_chunk_loss_and_grad()(logits.clone(), targets, kept, scale, z_weight, want_grad)
             torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-5)
             if want_grad:
-                assert got[1].dtype == dtype
-                torch.testing.assert_close(got[1], want[1], rtol=1e-2 if dtype == torch.bfloat16 else 1e-6,
+                assert got[2].dtype == dtype
+                torch.testing.assert_close(got[2], want[2], rtol=1e-2 if dtype == torch.bfloat16 else 1e-6,
                                            atol=1e-6)
             else:
-                assert got[1] is None and want[1] is None
+                assert got[2] is None and want[2] is None

@@ -28,14 +28,17 @@ def _loss_and_grads(model, tokens, chunk, bf16):
 
 
 @cuda
+@pytest.mark.parametrize("z_weight", [0.0, 0.01])
 @pytest.mark.parametrize("tie", [False, True])
-def test_chunked_model_loss_is_as_close_to_fp32_as_the_whole_logits_are(tie):
+def test_chunked_model_loss_is_as_close_to_fp32_as_the_whole_logits_are(tie, z_weight):
     """Against the fp32 model (no autocast, whole logits): the chunked bf16 loss and every gradient are as close as
-    the whole-logits bf16 ones are (within 1.5x their error, plus a small floor)."""
+    the whole-logits bf16 ones are (within 1.5x their error, plus a small floor); with the LM head's z-loss too
+    (train.lm_z_loss_weight: its gradient folded into the compiled chunk function's)."""
     cfg = ModelConfig(vocab_size=3001, d_model=256, num_layers=2, num_heads=4, num_kv_heads=2, dense_hidden=512,
                       num_experts=8, expert_hidden=128, router=RouterConfig(top_k=2), tie_embeddings=tie)
     torch.manual_seed(0)
     model = Transformer(cfg).cuda()
+    model.set_lm_z_loss_weight(z_weight)
     tokens = torch.randint(0, 3001, (3, 101), device="cuda")  # 300 targets: 7 chunks of 47, the last of 18
     truth_loss, truth = _loss_and_grads(model, tokens, 0, bf16=False)
     plain_loss, plain = _loss_and_grads(model, tokens, 0, bf16=True)

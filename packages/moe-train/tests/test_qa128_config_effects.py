@@ -89,13 +89,13 @@ class Ctx:
         """Train cfg; the trainer, metrics.jsonl's records and the (tokens shape) of each training forward."""
         trainer = Trainer(cfg)
         shapes = []
-        real = trainer.model.loss
+        real = trainer.model.loss_terms
 
-        def loss(x, y):  # noqa: ANN001, ANN202
+        def loss_terms(x, y):  # noqa: ANN001, ANN202
             if trainer.model.training:
                 shapes.append(tuple(x.shape))
             return real(x, y)
-        trainer.model.loss = loss
+        trainer.model.loss_terms = loss_terms
         trainer.train()
         lines = (Path(cfg.train.run_dir) / "metrics.jsonl").read_text().splitlines()
         return trainer, [json.loads(line) for line in lines], shapes
@@ -580,6 +580,18 @@ def check_loss_chunks(ctx: Ctx, name: str) -> None:
     assert max(sizes) < x.numel() * trainer.cfg.model.vocab_size
 
 
+@effect("train.lm_z_loss_weight", what="the LM head's z-loss: logged as lm_z_loss, and it changes the training")
+def check_lm_z_loss(ctx: Ctx, name: str) -> None:
+    trainer, with_z, _ = ctx.run(ctx.cfg(**{name: 0.05}))
+    assert trainer.model.lm_z_loss_weight == 0.05
+    _, plain, _ = ctx.run(ctx.cfg())
+    assert all(r["lm_z_loss"] > 0 for r in steps(with_z)) and all("lm_z_loss" not in r for r in steps(plain))
+    # the first step's loss is the same cross-entropy (the z-loss only changes the update; summed in another order
+    # there); the second step's differs by more than that rounding
+    first, second = (abs(steps(with_z)[i]["loss"] - steps(plain)[i]["loss"]) for i in (0, 1))
+    assert first < 1e-5 < second, (first, second)
+
+
 @effect("train.progress", what="the progress bar and lines on the terminal")
 def check_progress(ctx: Ctx, name: str, capsys) -> None:
     ctx.run(ctx.cfg(**{"train.steps": 1, "train.eval_interval": 1, name: False}))
@@ -606,8 +618,8 @@ def check_threads(ctx: Ctx, name: str) -> None:
 def check_max_skipped(ctx: Ctx, name: str) -> None:
     def poisoned(cfg):  # noqa: ANN001, ANN202
         trainer = Trainer(cfg)
-        real = trainer.model.loss
-        trainer.model.loss = lambda x, y: (real(x, y)[0] + float("inf"), real(x, y)[1])
+        real = trainer.model.loss_terms
+        trainer.model.loss_terms = lambda x, y: (lambda t: t._replace(ce=t.ce + float("inf")))(real(x, y))
         return trainer
 
     assert poisoned(ctx.cfg(**{name: 3, "train.steps": 2})).train()["skipped_steps"] == 2

@@ -193,8 +193,12 @@ def test_trainer_with_bf16_resident_weights_trains_and_evaluates_the_same(tmp_pa
 
     plain, chunked = run("plain", 0), run("chunked", 7)
     assert len(plain[0]) == 3 and len(plain[1]) == 3  # steps 2, 4, 6; evals at 0, 3, 6
+    # bf16 GEMMs on the CPU round their outputs by a kernel that depends on the rows (M) of the call and on the
+    # CPU's instructions: a 7-token chunk's logits may differ from the whole batch's in the last bf16 bit on a
+    # machine without AVX-512 BF16 (seen: 2.3e-4 relative on the loss after 6 steps on an AVX2-only EPYC, exact
+    # with AVX-512). The fp32 trainer run of test_chunked_loss.py stays at 1e-5
     for got, want in zip(chunked, plain):
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=2e-3, atol=1e-5)
 
 
 def test_bench_result_names_the_chunk_setting(tmp_path):

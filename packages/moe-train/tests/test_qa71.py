@@ -113,19 +113,19 @@ def test_step_records_log_the_schedule_lr_the_preclip_norm_and_the_micro_batch_m
         cfg.train.lr_decay_fraction = 0.34  # the last 2 of 6 steps
     trainer = Trainer(cfg)
     norms, losses = [], []
-    real_step, real_loss = trainer.runtime.step, trainer.model.loss
+    real_step, real_loss = trainer.runtime.step, trainer.model.loss_terms
 
     def step(lr):  # noqa: ANN001, ANN202
         grads = [p.grad.double() for p in trainer.model.parameters() if p.grad is not None]
         norms.append(math.sqrt(sum(float(g.pow(2).sum()) for g in grads)))
         return real_step(lr)
 
-    def loss(x, y):  # noqa: ANN001, ANN202
-        ce, aux = real_loss(x, y)
-        losses.append((float(ce.detach()), float(aux.detach())))
-        return ce, aux
+    def loss_terms(x, y):  # noqa: ANN001, ANN202
+        terms = real_loss(x, y)
+        losses.append((float(terms.ce.detach()), float(terms.router_aux.detach())))
+        return terms
 
-    trainer.runtime.step, trainer.model.loss = step, loss
+    trainer.runtime.step, trainer.model.loss_terms = step, loss_terms
     trainer.train()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps_logged = [r for r in records if "loss" in r]

@@ -93,7 +93,7 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
         "routing": m.router.routing, "final_loss": loss, "runtime": type(runtime).__name__,
         "world_size": runtime.world_size, "param_dtype": cfg.parallel.param_dtype,
         "activation_checkpointing": t.activation_checkpointing, "compile": t.compile,
-        "loss_chunk_tokens": t.loss_chunk_tokens,
+        "loss_chunk_tokens": t.loss_chunk_tokens, "lm_z_loss_weight": t.lm_z_loss_weight,
         # every rank's tokens over the slowest rank's time (pp=1: each rank trains on its own tokens)
         "tokens_per_s_all_ranks": tokens * runtime.world_size / slowest,
         "rank": runtime.rank,

@@ -134,6 +134,9 @@ class TrainConfig:
     # the LM head and the loss computed this many tokens at a time: the [tokens, vocab] logits and their gradient
     # are never held whole (~20 GB at vocab 100k and 16k tokens a micro-batch). 0 = the whole micro-batch at once
     loss_chunk_tokens: int = 0
+    # the LM head's z-loss: this x the mean logsumexp² of the logits is added to the objective (PaLM; OLMo 2 used
+    # 1e-5), keeping the softmax's normaliser near 1 for stability; logged as lm_z_loss. 0 = none
+    lm_z_loss_weight: float = 0.0
     progress: bool = True
     threads: int = 0  # torch CPU threads; 0 = leave torch's default
     max_skipped_steps: int = 10  # consecutive non-finite steps before the run stops with an error
@@ -388,6 +391,7 @@ def validate(cfg: Config) -> Config:
     _choice("train.activation_checkpointing", t.activation_checkpointing, ACTIVATION_CHECKPOINTING)
     _check(t.loss_chunk_tokens >= 0, "train.loss_chunk_tokens", t.loss_chunk_tokens,
            "an integer >= 0 (tokens per chunk of the LM head and loss; 0 = no chunks)")
+    _check(t.lm_z_loss_weight >= 0, "train.lm_z_loss_weight", t.lm_z_loss_weight, ">= 0 (0 = no LM head z-loss)")
     for name in ("dp", "ep", "pp"):
         _check(getattr(p, name) >= 1, f"parallel.{name}", getattr(p, name), "a positive integer")
     _choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))

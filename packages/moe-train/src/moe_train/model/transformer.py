@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import math
 import zlib
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +16,7 @@ from torch import nn
 from moe_precision import PrecisionRecipe
 from moe_train.config import ACTIVATION_CHECKPOINTING, ModelConfig, validate_model
 from moe_train.model.attention import Attention
-from moe_train.model.chunked_loss import IGNORED_TARGET, bad_targets, chunked_head_cross_entropy
+from moe_train.model.chunked_loss import IGNORED_TARGET, bad_targets, chunked_head_losses
 from moe_train.model.layers import RMSNorm, SwiGLU, fp32_or_wider
 from moe_train.model.rope import rope_tables
 from moe_train.model.moe import MoELayer, RoutedExperts
@@ -66,11 +68,41 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
                            ignore_index=IGNORED_TARGET)
 
 
+def head_losses(logits: torch.Tensor, targets: torch.Tensor, z_loss_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cross_entropy, z_loss_weight x the mean logsumexp² of the logits): the LM head's z-loss (PaLM; OLMo 2's
+    z_loss_multiplier) over the same targets as the cross-entropy, in the same dtype. Without a weight this is
+    cross_entropy and a 0. With one, both terms come from one logsumexp of one fp32 copy of the logits (what autograd
+    keeps for backward is that copy, as F.cross_entropy keeps its log-softmax)."""
+    if not z_loss_weight:
+        ce = cross_entropy(logits, targets)
+        return ce, ce.new_zeros(())
+    x = logits.to(fp32_or_wider(logits.dtype)).reshape(-1, logits.shape[-1])
+    targets = targets.reshape(-1)
+    kept = targets != IGNORED_TARGET
+    lse = torch.logsumexp(x, dim=-1)
+    picked = x.gather(1, torch.where(kept, targets, 0).unsqueeze(1)).squeeze(1)
+    count = kept.sum()  # 0 (every target ignored): both terms 0 / 0 = NaN, as F.cross_entropy gives
+    ce = torch.where(kept, lse - picked, 0).sum() / count
+    return ce, z_loss_weight * (torch.where(kept, lse * lse, 0).sum() / count)
+
+
 @functools.cache
-def compiled_cross_entropy() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """cross_entropy under torch.compile (train.compile): the fp32 upcast of the logits fused into the loss and
-    its gradient instead of a [tokens, V] fp32 copy. Built once, at the first use."""
-    return torch.compile(cross_entropy)
+def compiled_head_losses() -> Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]:
+    """head_losses under torch.compile (train.compile): the fp32 upcast of the logits fused into the loss and its
+    gradient instead of a [tokens, V] fp32 copy. Built once, at the first use."""
+    return torch.compile(head_losses)
+
+
+class LossTerms(NamedTuple):
+    """What Transformer.loss_terms returns; the training objective is their sum.
+
+    ce: the mean next-token cross-entropy (what evals and metrics report as the loss); router_aux: the routers'
+    load-balancing and z losses, summed over the MoE layers; lm_z: the LM head's z-loss term (lm_z_loss_weight x the
+    mean logsumexp² of the logits; 0 without a weight). With loss_chunk_tokens > 0, lm_z comes back detached and ce
+    carries the gradient of both (the chunked head computes one gradient for the two): backpropagate the sum."""
+    ce: torch.Tensor
+    router_aux: torch.Tensor
+    lm_z: torch.Tensor
 
 
 def _check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
@@ -107,6 +139,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.compiled = False  # set_compile
         self.loss_chunk_tokens = 0  # set_loss_chunk_tokens: 0 = the whole micro-batch's logits at once
+        self.lm_z_loss_weight = 0.0  # set_lm_z_loss_weight: 0 = no LM head z-loss
         recipe = PrecisionRecipe(cfg.precision) if recipe is None else recipe
         with torch.device(device) if device is not None else nullcontext():
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -174,7 +207,14 @@ class Transformer(nn.Module):
         return self.norm(x), aux
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean next-token cross-entropy (fp32; float64 for a float64 model) and the router aux loss.
+        """(mean next-token cross-entropy, everything the objective adds to it): loss_terms' ce and its router_aux +
+        lm_z. Backpropagating their sum trains on the whole objective; an eval reads the first."""
+        terms = self.loss_terms(tokens, targets)
+        return terms.ce, terms.router_aux + terms.lm_z
+
+    def loss_terms(self, tokens: torch.Tensor, targets: torch.Tensor) -> LossTerms:
+        """The cross-entropy (fp32; float64 for a float64 model), the router aux losses and the LM head's z-loss
+        (lm_z_loss_weight, train.lm_z_loss_weight: 0 = none) of a batch, as a LossTerms.
 
         A target of -100 (F.cross_entropy's ignore_index, as in transformers' labels) is left out of the mean:
         padding or a prompt not to be trained on (all of a batch's: NaN, as torch gives, and the trainer skips the
@@ -186,14 +226,16 @@ class Transformer(nn.Module):
         not see it, and under FSDP2 the runtime registers this method as a forward method."""
         if self.loss_chunk_tokens:
             h, aux = self.hidden(tokens)
-            return chunked_head_cross_entropy(h, self._head_gemm_weight(h), targets, self.loss_chunk_tokens), aux
+            ce, lm_z = chunked_head_losses(h, self._head_gemm_weight(h), targets, self.loss_chunk_tokens,
+                                           self.lm_z_loss_weight)
+            return LossTerms(ce, aux, lm_z)
         logits, aux = self(tokens)
         # inductor's CPU kernel aborts the whole process on a target outside [0, V) (C++ terminate, nothing to catch):
         # such a batch takes the eager loss, which raises IndexError naming it (on a GPU eager asserts as well)
         compiled = self.compiled and not (targets.device.type == "cpu"
                                           and bool(bad_targets(targets, logits.shape[-1]).any()))
-        ce = (compiled_cross_entropy() if compiled else cross_entropy)(logits, targets)
-        return ce, aux
+        ce, lm_z = (compiled_head_losses() if compiled else head_losses)(logits, targets, self.lm_z_loss_weight)
+        return LossTerms(ce, aux, lm_z)
 
     def _head_gemm_weight(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head's weight as its GEMM consumes it for input h (the recipe's linear casts it once per call)."""
@@ -210,6 +252,14 @@ class Transformer(nn.Module):
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
             raise ValueError(f"loss_chunk_tokens={tokens!r}: expected an integer >= 0 (0 = no chunks)")
         self.loss_chunk_tokens = tokens
+
+    def set_lm_z_loss_weight(self, weight: float) -> None:
+        """The LM head's z-loss weight (train.lm_z_loss_weight, set by the runtime): loss_terms adds weight x the
+        mean logsumexp² of the logits to the objective (PaLM; OLMo 2's z_loss_multiplier, 1e-5), keeping the
+        softmax's normaliser near 1. 0 = none. Changes no parameter or buffer."""
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+            raise ValueError(f"lm_z_loss_weight={weight!r}: expected a finite number >= 0 (0 = no z-loss)")
+        self.lm_z_loss_weight = float(weight)
 
     def set_compile(self, enabled: bool) -> None:
         """train.compile (set by the runtime): torch.compile each block's attention, its two norms and a dense
@@ -232,6 +282,7 @@ class Transformer(nn.Module):
         what compile() set when it is copied, which left a copy saying compiled=True and running its modules eager."""
         super().__setstate__(state)
         self.__dict__.setdefault("loss_chunk_tokens", 0)  # a module pickled before set_loss_chunk_tokens existed
+        self.__dict__.setdefault("lm_z_loss_weight", 0.0)  # ... or before set_lm_z_loss_weight
         if self.__dict__.setdefault("compiled", False):  # a module pickled before train.compile: eager
             self.set_compile(True)
 

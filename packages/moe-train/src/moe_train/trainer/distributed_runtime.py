@@ -114,10 +114,10 @@ class DistributedRuntime:
             layer.router.lb_group = self.groups.dp
         apply_fsdp(model, self.groups.dp, self.device.type)
         if getattr(model, "loss_chunk_tokens", 0):
-            # the chunked Transformer.loss runs the model's parts itself (the head's GEMM needs its weight): FSDP2
-            # gathers the root's parameters for it as it does for forward
+            # the chunked Transformer.loss_terms (which loss calls) runs the model's parts itself (the head's GEMM
+            # needs its weight): FSDP2 gathers the root's parameters for it as it does for forward
             from torch.distributed.fsdp import register_fsdp_forward_method
-            register_fsdp_forward_method(model, "loss")
+            register_fsdp_forward_method(model, "loss_terms")
         t = self.cfg.train
         self.torch_optimizer = torch.optim.AdamW(
             param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,

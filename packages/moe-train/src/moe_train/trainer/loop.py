@@ -189,20 +189,20 @@ class Trainer:
 
     def _train_step(self) -> dict[str, float]:
         t, rt = self.cfg.train, self.runtime
-        ce_sum = torch.zeros((), device=self.device)
-        aux_sum = torch.zeros((), device=self.device)
+        # the cross-entropy, the router aux losses and the LM head's z-loss, summed over the micro-batches
+        sums = torch.zeros(3, device=self.device)
         for micro in range(t.grad_accum):
             x, y = self.sampler.next_batch(t.micro_batch_size, rt.dp_rank, rt.dp_size)
             with self._amp():
-                ce, aux = self.model.loss(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
-            rt.backward((ce + aux) / t.grad_accum, last_micro_batch=micro == t.grad_accum - 1)
-            ce_sum += ce.detach().float()
-            aux_sum += aux.detach().float()
+                terms = self.model.loss_terms(x.to(self.device, non_blocking=True),
+                                              y.to(self.device, non_blocking=True))
+            rt.backward(sum(terms) / t.grad_accum, last_micro_batch=micro == t.grad_accum - 1)
+            sums += torch.stack([term.detach().float() for term in terms])
         lr = train_lr_at(self.step, t)
         # The losses are summed over the ranks before the update: a non-finite loss (every rank sees the same sum)
         # applies no update, even where its gradients came out finite.
-        stats = rt.all_reduce_sum(torch.stack([ce_sum, aux_sum]) / (t.grad_accum * rt.dp_size)).tolist()
-        loss_finite = math.isfinite(stats[0]) and math.isfinite(stats[1])
+        stats = rt.all_reduce_sum(sums / (t.grad_accum * rt.dp_size)).tolist()
+        loss_finite = all(math.isfinite(v) for v in stats)
         if loss_finite:
             result = rt.step(lr)
         else:
@@ -213,15 +213,23 @@ class Trainer:
             self.skipped_steps += 1
             self.consecutive_skips += 1
             if self.consecutive_skips >= t.max_skipped_steps:
-                last = f"grad_norm={result.grad_norm}" if loss_finite else f"aux_loss={stats[1]} (no update, no grad norm)"
+                last = (f"grad_norm={result.grad_norm}" if loss_finite else
+                        f"aux_loss={stats[1]}{self._lm_z_text(stats)} (no update, no grad norm)")
                 raise TrainingError(
                     f"loss={stats[0]} / {last} non-finite for {self.consecutive_skips} "
                     f"consecutive steps ({self._streak()}); train.max_skipped_steps={t.max_skipped_steps}"
                 )
         else:
             self.consecutive_skips = 0
-        return {"loss": stats[0], "aux_loss": stats[1], "lr": lr, "grad_norm": result.grad_norm,
-                "skipped": float(result.skipped)}
+        record = {"loss": stats[0], "aux_loss": stats[1], "lr": lr, "grad_norm": result.grad_norm,
+                  "skipped": float(result.skipped)}
+        if t.lm_z_loss_weight:
+            record["lm_z_loss"] = stats[2]
+        return record
+
+    def _lm_z_text(self, stats: list[float]) -> str:
+        """The LM head's z-loss term for a message, where train.lm_z_loss_weight adds one."""
+        return f" / lm_z_loss={stats[2]}" if self.cfg.train.lm_z_loss_weight else ""
 
     def _streak(self) -> str:
         """The steps of the current streak of skipped ones, as metrics.jsonl numbers them (the step being taken

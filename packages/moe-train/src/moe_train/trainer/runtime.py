@@ -104,13 +104,14 @@ def materialize(model: nn.Module, device: torch.device, seed: int, expert_row_of
 
 def set_training_choices(model: nn.Module, cfg: Config) -> None:
     """Hand the model the training-runtime choices it carries out itself (a runtime's setup, before any memory is
-    allocated): train.activation_checkpointing, train.compile and train.loss_chunk_tokens. A model without the
-    setter (not a Transformer) trains only with the default."""
+    allocated): train.activation_checkpointing, train.compile, train.loss_chunk_tokens and train.lm_z_loss_weight.
+    A model without the setter (not a Transformer) trains only with the default."""
     t = cfg.train
     for setter, name, value, default in (
         ("set_activation_checkpointing", "activation_checkpointing", t.activation_checkpointing, "none"),
         ("set_compile", "compile", t.compile, False),
         ("set_loss_chunk_tokens", "loss_chunk_tokens", t.loss_chunk_tokens, 0),
+        ("set_lm_z_loss_weight", "lm_z_loss_weight", t.lm_z_loss_weight, 0.0),
     ):
         if hasattr(model, setter):
             getattr(model, setter)(value)
