@@ -33,7 +33,7 @@ def bad_targets(targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return (targets != IGNORED_TARGET) & ((targets < 0) | (targets >= vocab_size))
 
 
-def _check_targets(targets: torch.Tensor, vocab_size: int) -> None:
+def check_targets(targets: torch.Tensor, vocab_size: int) -> None:
     """On the CPU, a target outside [0, vocab_size) other than -100 raises IndexError as F.cross_entropy's does (on a
     GPU the gather's device-side assert stops the step: a host read per step would cost a sync)."""
     if targets.device.type != "cpu":
@@ -175,7 +175,7 @@ def chunked_head_losses(h: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         raise ValueError(f"targets of shape {tuple(targets.shape)} do not match the hidden states' "
                          f"{tuple(h.shape[:-1])} (one target per position)")
     targets = targets.reshape(-1)
-    _check_targets(targets, weight.shape[0])
+    check_targets(targets, weight.shape[0])
     h = h.reshape(-1, h.shape[-1])
     z_loss_weight = float(z_loss_weight)
     with torch.autocast(h.device.type, enabled=False):  # the dtypes are chosen here: weight's for the GEMMs

@@ -16,7 +16,7 @@ from torch import nn
 from moe_precision import PrecisionRecipe
 from moe_train.config import ACTIVATION_CHECKPOINTING, ModelConfig, validate_model
 from moe_train.model.attention import Attention
-from moe_train.model.chunked_loss import IGNORED_TARGET, bad_targets, chunked_head_losses
+from moe_train.model.chunked_loss import IGNORED_TARGET, bad_targets, check_targets, chunked_head_losses
 from moe_train.model.layers import RMSNorm, SwiGLU, fp32_or_wider
 from moe_train.model.rope import rope_tables
 from moe_train.model.moe import MoELayer, RoutedExperts
@@ -76,8 +76,12 @@ def head_losses(logits: torch.Tensor, targets: torch.Tensor, z_loss_weight: floa
     if not z_loss_weight:
         ce = cross_entropy(logits, targets)
         return ce, ce.new_zeros(())
-    x = logits.to(fp32_or_wider(logits.dtype)).reshape(-1, logits.shape[-1])
     targets = targets.reshape(-1)
+    # a target outside [0, V): IndexError naming it, as F.cross_entropy raises (the gather below would say
+    # RuntimeError). Not in a compiled graph (a host read): loss_terms hands such a CPU batch to this eager path
+    if not torch.compiler.is_compiling():
+        check_targets(targets, logits.shape[-1])
+    x = logits.to(fp32_or_wider(logits.dtype)).reshape(-1, logits.shape[-1])
     kept = targets != IGNORED_TARGET
     lse = torch.logsumexp(x, dim=-1)
     picked = x.gather(1, torch.where(kept, targets, 0).unsqueeze(1)).squeeze(1)
