@@ -15,6 +15,7 @@ parallel.backend on a single process (no process group). Each now warns at the s
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -590,6 +591,20 @@ def check_lm_z_loss(ctx: Ctx, name: str) -> None:
     # there); the second step's differs by more than that rounding
     first, second = (abs(steps(with_z)[i]["loss"] - steps(plain)[i]["loss"]) for i in (0, 1))
     assert first < 1e-5 < second, (first, second)
+
+
+@effect("train.document_masking", what="the model's document mask from the data's eos_id")
+def check_document_masking(ctx: Ctx, name: str) -> None:
+    trainer, _, _ = ctx.run(ctx.cfg(**{name: True}))
+    assert trainer.model.document_eos_id == trainer.meta["eos_id"]
+    plain_trainer, _, _ = ctx.run(ctx.cfg())
+    assert plain_trainer.model.document_eos_id is None
+    x, _ = trainer.sampler.next_batch(4, 0, 1)
+    x[:, ::5] = trainer.meta["eos_id"]  # documents of 5 tokens: the mask changes every later position's logits
+    causal = copy.deepcopy(trainer.model)
+    causal.set_document_masking(None)
+    with torch.no_grad():
+        assert not torch.allclose(trainer.model(x)[0][:, 6:], causal(x)[0][:, 6:], atol=1e-4)
 
 
 @effect("train.progress", what="the progress bar and lines on the terminal")

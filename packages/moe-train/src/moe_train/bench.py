@@ -17,6 +17,9 @@ from moe_train.trainer.mfu import run_peak_tflops
 from moe_train.trainer.runtime import Runtime
 
 
+BENCH_EOS_ID = 0  # the end-of-document id of the synthetic tokens under train.document_masking
+
+
 def synthetic_steps(cfg: Config) -> tuple[Runtime, Callable[[int], float]]:
     """The runtime `train` would use for cfg, with the model set up on it, and `one_step(i)`: optimizer
     step i on synthetic tokens along the trainer's path (runtime.backward per micro-batch under the
@@ -30,6 +33,11 @@ def synthetic_steps(cfg: Config) -> tuple[Runtime, Callable[[int], float]]:
     amp = device.type == "cuda" and t.autocast_bf16
     g = torch.Generator(device="cpu").manual_seed(t.seed)
     batches = [torch.randint(0, m.vocab_size, (mb, seq + 1), generator=g) for _ in range(4)]
+    if t.document_masking:  # synthetic documents of seq_len // 4 tokens: BENCH_EOS_ID ends each
+        doc = max(seq // 4, 1)
+        for b in batches:
+            b[:, doc::doc] = BENCH_EOS_ID
+        model.set_document_masking(BENCH_EOS_ID)
 
     def one_step(i: int) -> float:
         for micro in range(t.grad_accum):
@@ -94,6 +102,7 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
         "world_size": runtime.world_size, "param_dtype": cfg.parallel.param_dtype,
         "activation_checkpointing": t.activation_checkpointing, "compile": t.compile,
         "loss_chunk_tokens": t.loss_chunk_tokens, "lm_z_loss_weight": t.lm_z_loss_weight,
+        "document_masking": t.document_masking,
         # every rank's tokens over the slowest rank's time (pp=1: each rank trains on its own tokens)
         "tokens_per_s_all_ranks": tokens * runtime.world_size / slowest,
         "rank": runtime.rank,

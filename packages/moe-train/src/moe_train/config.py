@@ -137,6 +137,9 @@ class TrainConfig:
     # the LM head's z-loss: this x the mean logsumexp² of the logits is added to the objective (PaLM; OLMo 2 used
     # 1e-5), keeping the softmax's normaliser near 1 for stability; logged as lm_z_loss. 0 = none
     lm_z_loss_weight: float = 0.0
+    # attention within documents: a token attends only to the earlier tokens of its own document (the data folder's
+    # eos_id ends each), in training and eval; false = causal over the whole window, across document boundaries
+    document_masking: bool = False
     progress: bool = True
     threads: int = 0  # torch CPU threads; 0 = leave torch's default
     max_skipped_steps: int = 10  # consecutive non-finite steps before the run stops with an error

@@ -1,5 +1,5 @@
-"""Grouped-query causal self-attention through scaled_dot_product_attention, optional QK-norm, q/k/v biases
-and partial rotary."""
+"""Grouped-query causal self-attention through scaled_dot_product_attention, optional QK-norm, q/k/v biases,
+partial rotary and a document mask (train.document_masking)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [B, S, d] -> [B, S, d]."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, S, d] -> [B, S, d]. mask: None (causal) or [B, 1, S, S] bool, True where a query (row) may attend
+        a key (column); causal already (document_attention_mask)."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
@@ -43,5 +45,6 @@ class Attention(nn.Module):
             rep = self.num_heads // self.num_kv_heads
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = (F.scaled_dot_product_attention(q, k, v, is_causal=True) if mask is None
+               else F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))

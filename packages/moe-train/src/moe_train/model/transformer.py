@@ -34,16 +34,18 @@ class Block(nn.Module):
         self.mlp: nn.Module = MoELayer(cfg, recipe) if self.is_moe else SwiGLU(cfg.d_model, cfg.dense_hidden, recipe)
         self.recompute = "none"  # what backward recomputes: none | full | mlp (set_activation_checkpointing)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [B, S, d] -> ([B, S, d], router aux loss). Recomputes only in training forwards that record a graph."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, S, d] -> ([B, S, d], router aux loss); mask: the attention's (None: causal). Recomputes only in
+        training forwards that record a graph."""
         mode = self.recompute if self.training and torch.is_grad_enabled() else "none"
         if mode == "full":
-            return recompute_in_backward(self, self._forward, x, cos, sin)
-        return self._forward(x, cos, sin, recompute_feed_forward=mode == "mlp")
+            return recompute_in_backward(self, self._forward, x, cos, sin, mask)
+        return self._forward(x, cos, sin, mask, recompute_feed_forward=mode == "mlp")
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None,
                  recompute_feed_forward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         y, aux = recompute_in_backward(self, self._feed_forward, x) if recompute_feed_forward else self._feed_forward(x)
         return x + y, aux
 
@@ -109,6 +111,17 @@ class LossTerms(NamedTuple):
     lm_z: torch.Tensor
 
 
+def document_attention_mask(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """tokens [B, S] -> [B, 1, S, S] bool: query i may attend key j when j <= i and both are in the same document.
+    eos_id ends a document and belongs to it (the token after it starts the next); a window's first tokens are the
+    tail of a document begun before it, its last the head of one that goes on."""
+    ends = tokens == eos_id
+    document = torch.cumsum(ends, dim=1) - ends.long()  # the number of documents ended before each position
+    same = document.unsqueeze(2) == document.unsqueeze(1)
+    causal = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool, device=tokens.device).tril()
+    return (same & causal).unsqueeze(1)
+
+
 def _check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
     """tokens is [B, S] and, on the CPU, every id in [0, vocab_size): the embedding's own error, "index out of range
     in self", named neither the id nor the vocabulary (a [S] tensor failed on `tuple index out of range`). On a GPU
@@ -144,6 +157,7 @@ class Transformer(nn.Module):
         self.compiled = False  # set_compile
         self.loss_chunk_tokens = 0  # set_loss_chunk_tokens: 0 = the whole micro-batch's logits at once
         self.lm_z_loss_weight = 0.0  # set_lm_z_loss_weight: 0 = no LM head z-loss
+        self.document_eos_id: int | None = None  # set_document_masking: None = causal over the whole window
         recipe = PrecisionRecipe(cfg.precision) if recipe is None else recipe
         with torch.device(device) if device is not None else nullcontext():
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -205,8 +219,9 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         cos, sin = self._rope(tokens.shape[1], tokens.device, fp32_or_wider(x.dtype))
         aux = torch.zeros((), device=tokens.device, dtype=torch.float32)
+        mask = None if self.document_eos_id is None else document_attention_mask(tokens, self.document_eos_id)
         for block in self.blocks:
-            x, a = block(x, cos, sin)
+            x, a = block(x, cos, sin, mask)
             aux = aux + a
         return self.norm(x), aux
 
@@ -265,6 +280,18 @@ class Transformer(nn.Module):
             raise ValueError(f"lm_z_loss_weight={weight!r}: expected a finite number >= 0 (0 = no z-loss)")
         self.lm_z_loss_weight = float(weight)
 
+    def set_document_masking(self, eos_id: int | None) -> None:
+        """Attention within documents only (train.document_masking, set by the trainer with its data's eos_id): a
+        token attends to the earlier tokens of its own document, eos_id ending each (document_attention_mask), in
+        forward and in every loss; None = causal over the whole window. RoPE positions stay the window's (rotary
+        attention depends on offsets only, so a document reads the same wherever the window put it). Changes no
+        parameter or buffer."""
+        if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int)
+                                   or not 0 <= eos_id < self.cfg.vocab_size):
+            raise ValueError(f"document masking eos_id={eos_id!r}: expected a token id in [0, model.vocab_size="
+                             f"{self.cfg.vocab_size}) or None (no document mask)")
+        self.document_eos_id = eos_id
+
     def set_compile(self, enabled: bool) -> None:
         """train.compile (set by the runtime): torch.compile each block's attention, its two norms and a dense
         layer's SwiGLU, the final norm, and the loss's cross-entropy; the MoE layers and the residual adds stay
@@ -287,6 +314,7 @@ class Transformer(nn.Module):
         super().__setstate__(state)
         self.__dict__.setdefault("loss_chunk_tokens", 0)  # a module pickled before set_loss_chunk_tokens existed
         self.__dict__.setdefault("lm_z_loss_weight", 0.0)  # ... or before set_lm_z_loss_weight
+        self.__dict__.setdefault("document_eos_id", None)  # ... or before set_document_masking
         if self.__dict__.setdefault("compiled", False):  # a module pickled before train.compile: eager
             self.set_compile(True)
 

@@ -77,6 +77,8 @@ class Trainer:
                 warn_about_settings(cfg, self.device, one_process=isinstance(rt, LocalRuntime))
             torch.manual_seed(t.seed)
             self.model = rt.setup(Transformer(cfg.model, device="meta"))  # each rank allocates only its slice
+            if t.document_masking:  # the data's end-of-document id, which the config does not know
+                self.model.set_document_masking(self.meta["eos_id"])
             self.run_dir = Path(t.run_dir)
             self.init_source: Path | None = None  # train.init_from's checkpoint, on a run that starts at step 0
             self.step = 0
