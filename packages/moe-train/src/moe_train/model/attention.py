@@ -31,8 +31,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [B, S, d] -> [B, S, d]. mask: None (causal) or [B, 1, S, S] bool, True where a query (row) may attend
-        a key (column); causal already (document_attention_mask)."""
+        """x: [B, S, d] -> [B, S, d]. mask: None (causal) or [B, 1, S, S], causal already (document_attention_mask):
+        bool, True where a query (row) may attend a key (column), or additive (0 or -inf; attention_bias), cast to
+        the query's dtype when it is another."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
@@ -45,6 +46,8 @@ class Attention(nn.Module):
             rep = self.num_heads // self.num_kv_heads
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
+        if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
+            mask = mask.to(q.dtype)  # SDPA takes a float mask in the query's dtype only
         out = (F.scaled_dot_product_attention(q, k, v, is_causal=True) if mask is None
                else F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))

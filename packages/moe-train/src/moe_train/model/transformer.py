@@ -122,6 +122,13 @@ def document_attention_mask(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
     return (same & causal).unsqueeze(1)
 
 
+def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask as the additive one scaled_dot_product_attention makes of it: 0 where True, -inf
+    where False, in dtype (the query's)."""
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    return torch.where(mask, zero, float("-inf"))  # out of place: torch.func.vmap batches the mask alone
+
+
 def _check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
     """tokens is [B, S] and, on the CPU, every id in [0, vocab_size): the embedding's own error, "index out of range
     in self", named neither the id nor the vocabulary (a [S] tensor failed on `tuple index out of range`). On a GPU
@@ -219,7 +226,13 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         cos, sin = self._rope(tokens.shape[1], tokens.device, fp32_or_wider(x.dtype))
         aux = torch.zeros((), device=tokens.device, dtype=torch.float32)
-        mask = None if self.document_eos_id is None else document_attention_mask(tokens, self.document_eos_id)
+        mask = None
+        if self.document_eos_id is not None:
+            # one additive mask for every layer, in the dtype attention computes in: SDPA turned the boolean one into
+            # a float copy in each layer, which backward kept (L x [B, 1, S, S] fp32 where this keeps one)
+            dev = tokens.device.type
+            dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+            mask = attention_bias(document_attention_mask(tokens, self.document_eos_id), dtype)
         for block in self.blocks:
             x, a = block(x, cos, sin, mask)
             aux = aux + a
