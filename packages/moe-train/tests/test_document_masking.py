@@ -146,15 +146,3 @@ def test_the_trainer_masks_with_its_data_eos_id_in_training_and_eval(tmp_path, _
     assert all(v > 0 for v in losses[0] + evals[0])
     assert len(evals[0]) == 2 and abs(evals[0][0] - evals[1][0]) > 1e-4, evals  # step 0: the same weights
 
-
-def test_compiled_attention_takes_the_mask():
-    """train.compile compiles each block's attention: with the mask as an input it gives eager's logits."""
-    g = torch.Generator().manual_seed(4)
-    tokens = torch.cat([_tokens(6, g), torch.tensor([EOS]), _tokens(9, g)]).unsqueeze(0)
-    model = _model(torch.float32, num_layers=2)
-    model.set_document_masking(EOS)
-    with torch.no_grad():
-        want = model(tokens)[0]
-        model.set_compile(True)
-        got = model(tokens)[0]
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
