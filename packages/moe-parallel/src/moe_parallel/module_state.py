@@ -7,6 +7,7 @@ differently would keep their own and compute different functions.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Collection
 
 import torch
@@ -37,8 +38,9 @@ def broadcast_module_state(model: nn.Module, groups: ParallelGroups, exclude: Co
     experts module, or seed it alike.
     Call on every rank of groups.dp, after the model is built and materialized, before training; before or after
     apply_expert_parallel and FlatParams alike. Every rank must pass a model with the same such names, shapes and
-    dtypes (else a ValueError on every rank names the first difference); tensors on the meta device are refused. The
-    bytes of each group's tensors travel in one broadcast, so every dtype arrives bit-exact. A group of one rank
+    dtypes (else a ValueError on every rank names the first difference); tensors on the meta device are refused, and
+    so are DTensors (apply_fsdp shards frozen parameters: call this before it). The bytes of each group's tensors
+    travel in one broadcast, so every dtype arrives bit-exact (peak memory: that state twice). A group of one rank
     changes nothing.
     """
     dense, expert, refusal = _module_state(model, exclude)
@@ -59,10 +61,14 @@ def _module_state(model: nn.Module, exclude: Collection[str]) -> tuple[list, lis
     if isinstance(exclude, str):  # set("running_mean") would be its letters
         return [], [], ValueError(f"broadcast_module_state: exclude={exclude!r} is a str; expected a collection of "
                                   f"names, e.g. [{exclude!r}]")
-    exclude = set(exclude)
+    try:
+        exclude = set(exclude)
+    except TypeError as e:  # None, a number, an unhashable name: refused here so the other ranks raise too (no hang)
+        return [], [], ValueError(f"broadcast_module_state: exclude={exclude!r} is not a collection of names ({e}); "
+                                  "expected e.g. ['bn.running_mean'], or () for none")
     frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
     state = [*frozen, *model.named_buffers()]
-    unknown = sorted(exclude - {n for n, _ in state})
+    unknown = sorted(exclude - {n for n, _ in state}, key=repr)  # key: a non-str name is refused, not a TypeError
     if unknown:
         return [], [], ValueError(
             f"broadcast_module_state: exclude names {unknown}, which are not frozen parameters or buffers of the model "
@@ -77,6 +83,14 @@ def _module_state(model: nn.Module, exclude: Collection[str]) -> tuple[list, lis
             f"broadcast_module_state got tensors on the meta device (shapes only, no data): {on_meta[:5]}"
             f"{f' and {len(on_meta) - 5} more' if len(on_meta) > 5 else ''}; expected the model materialized first "
             "(model.to_empty(device=...) and its initialisation), then broadcast_module_state"
+        )
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # imported by whoever made one
+    sharded = [n for n, t in state if dtensor is not None and isinstance(t, dtensor)]
+    if sharded:
+        return [], [], ValueError(
+            f"broadcast_module_state got DTensors (sharded by apply_fsdp / fully_shard): {sharded[:5]}; each rank holds "
+            "its own shard of them, which a broadcast from the first replica would overwrite; expected "
+            "broadcast_module_state on the plain model, before apply_fsdp"
         )
     prefixes = tuple(_experts_prefix(name) for name, _ in moe_layers(model))
     dense, expert = [], []
@@ -108,8 +122,18 @@ def _broadcast(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
     dist.broadcast(packed, dist.get_global_rank(group, 0), group=group)
     for t, start, size in zip(tensors, starts, sizes):
         if size:
-            t.copy_(packed[start : start + size].view(t.dtype).view(t.shape))
+            _write(t, packed[start : start + size].view(t.dtype).view(t.shape))
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).contiguous().view(torch.uint8)  # any dtype (bool, float8, complex) as its bytes
+    # any dtype (bool, float8, complex) as its bytes; a conjugate or negative view's values, not its lazy bit's operand
+    return t.detach().resolve_conj().resolve_neg().reshape(-1).contiguous().view(torch.uint8)
+
+
+def _write(t: torch.Tensor, values: torch.Tensor) -> None:
+    """t.copy_(values) where an expanded t (stride 0: one element read at many places, e.g. arange(n).expand(b, n))
+    is written once per element, at its first index along each expanded dim (copy_ refuses such a target)."""
+    for d in range(t.dim()):
+        if t.stride(d) == 0 and t.shape[d] > 1:
+            t, values = t.narrow(d, 0, 1), values.narrow(d, 0, 1)
+    t.copy_(values)
