@@ -11,7 +11,9 @@ before it (the hidden states, the weight, its gradient buffer). The chunked loss
 whole-logits loss first (loss, both gradients).
 
 `--z-loss-weights 0,1e-5` adds the LM head's z-loss (train.lm_z_loss_weight) as more methods in the same rounds:
-a method is a chunk size (0 = whole logits) and a weight, keyed "4096" without a z-loss and "4096+z" with one.
+a method is a chunk size (0 = whole logits) and a weight, keyed "4096" without a z-loss and "4096+z" with one. The
+whole logits with a z-loss run compiled, as Transformer.loss_terms runs them on a GPU; "0+z eager" times the eager
+terms beside them.
 """
 
 from __future__ import annotations
@@ -27,24 +29,30 @@ import torch
 
 from moe_precision import PrecisionRecipe
 from moe_train.model.chunked_loss import chunked_head_losses
-from moe_train.model.transformer import head_losses
+from moe_train.model.transformer import compiled_head_losses, head_losses
 
 SHAPES = {"olmo-core-8l": (16384, 4096, 100_352), "fine-grained": (8192, 2048, 50_304)}
+
+
+EAGER = -1  # the "chunk" of the whole logits with eager z-loss terms
 
 
 def _step(h: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, method: tuple[int, float]) -> torch.Tensor:
     """One forward+backward of the head and its loss; the objective (cross-entropy + z-loss term) comes back."""
     chunk, z_weight = method
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        if chunk:
+        if chunk > 0:
             ce, z = chunked_head_losses(h, head.gemm_weight(h), targets, chunk, z_weight)
-        else:
-            ce, z = head_losses(head(h), targets, z_weight)
+        else:  # as Transformer.loss_terms on a GPU: the terms compiled with a z-loss, F.cross_entropy without one
+            losses = compiled_head_losses() if z_weight and chunk == 0 else head_losses
+            ce, z = losses(head(h), targets, z_weight)
     (ce + z).backward()
     return (ce + z).detach()
 
 
 def _key(method: tuple[int, float]) -> str:
+    if method[0] == EAGER:
+        return "0+z eager"
     return f"{method[0]}+z" if method[1] else str(method[0])
 
 
@@ -61,10 +69,10 @@ def _peak_gib(h, head, targets, method) -> float:
 
 
 def _check(h, head, targets, methods) -> dict:
-    """Each chunked method against the whole logits with the same z-loss weight."""
+    """Each chunked (and the eager whole-logits) method against the whole logits with the same z-loss weight."""
     out = {}
     for chunk, z_weight in methods:
-        if not chunk:
+        if chunk == 0:
             continue
         h.grad = head.weight.grad = None
         want = _step(h, head, targets, (0, z_weight))
@@ -87,7 +95,7 @@ def main() -> None:
     a = ap.parse_args()
     chunks = [int(c) for c in a.chunks.split(",")]
     z_weights = [float(z) for z in a.z_loss_weights.split(",")]
-    methods = [(c, z) for z in z_weights for c in [0] + chunks]
+    methods = [(c, z) for z in z_weights for c in [0] + chunks] + [(EAGER, z) for z in z_weights if z]
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "z_loss_weights": z_weights,
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                        text=True).stdout.strip() or "unknown", "shapes": {}}

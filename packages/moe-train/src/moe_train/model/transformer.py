@@ -264,7 +264,11 @@ class Transformer(nn.Module):
         logits, aux = self(tokens)
         # inductor's CPU kernel aborts the whole process on a target outside [0, V) (C++ terminate, nothing to catch):
         # such a batch takes the eager loss, which raises IndexError naming it (on a GPU eager asserts as well)
-        compiled = self.compiled and not (targets.device.type == "cpu"
+        # With a z-loss weight on a GPU the two terms are compiled whatever train.compile says (as the chunked head's
+        # chunk function is): eager, they keep a [tokens, V] fp32 copy for backward and cost ~25% more head time
+        # than the cross-entropy alone (bench/results/h100_chunked_loss_z.json)
+        compile_terms = self.compiled or (self.lm_z_loss_weight > 0 and logits.device.type == "cuda")
+        compiled = compile_terms and not (targets.device.type == "cpu"
                                           and bool(bad_targets(targets, logits.shape[-1]).any()))
         ce, lm_z = (compiled_head_losses() if compiled else head_losses)(logits, targets, self.lm_z_loss_weight)
         return LossTerms(ce, aux, lm_z)
