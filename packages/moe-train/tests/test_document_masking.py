@@ -146,3 +146,14 @@ def test_the_trainer_masks_with_its_data_eos_id_in_training_and_eval(tmp_path, _
     assert all(v > 0 for v in losses[0] + evals[0])
     assert len(evals[0]) == 2 and abs(evals[0][0] - evals[1][0]) > 1e-4, evals  # step 0: the same weights
 
+
+
+def test_a_data_folder_whose_eos_id_is_outside_its_vocabulary_is_refused_naming_it(data_dir, tmp_path):
+    from moe_train.data.token_file import DataError, open_data
+
+    meta_path = data_dir / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["eos_id"] = meta["vocab_size"]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(DataError, match=rf"meta.json: eos_id={meta['vocab_size']}, expected an id below its vocab_size"):
+        open_data(data_dir, 4096)

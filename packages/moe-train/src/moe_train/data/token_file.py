@@ -120,6 +120,8 @@ def read_meta(path: Path) -> dict:
     for key in ("vocab_size", "eos_id"):
         if not _is_count(meta.get(key)):
             raise DataError(f"{path}: {key}={_shown(meta, key)}, expected an integer >= 0")
+    if meta["eos_id"] >= meta["vocab_size"]:  # the id that ends each document (train.document_masking masks on it)
+        raise DataError(f"{path}: eos_id={meta['eos_id']}, expected an id below its vocab_size={meta['vocab_size']}")
     splits = meta.get("splits")
     for name in ("train", "eval"):
         split = splits.get(name) if isinstance(splits, dict) else None
