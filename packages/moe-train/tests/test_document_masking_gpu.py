@@ -1,5 +1,7 @@
-"""train.document_masking on a GPU: the masked attention under bf16 autocast (scaled_dot_product_attention with a
-boolean mask takes another kernel than is_causal) gives a packed document the logits it gets alone."""
+"""train.document_masking on a GPU: both kernels (FlexAttention with the block mask, what "auto" takes here, and
+scaled_dot_product_attention with the additive mask, another kernel than is_causal), in fp32 and under bf16
+autocast, give a packed document the logits it gets alone; the two give the same loss and gradients, eager, under
+train.compile and with activation checkpointing."""
 
 import pytest
 import torch
@@ -13,13 +15,15 @@ EOS = 7
 
 
 @cuda
+@pytest.mark.parametrize("kernel", ["flex", "sdpa"])
 @pytest.mark.parametrize("bf16", [False, True])
-def test_a_packed_document_reads_as_it_does_alone_on_the_gpu(bf16):
+def test_a_packed_document_reads_as_it_does_alone_on_the_gpu(bf16, kernel):
     cfg = ModelConfig(vocab_size=1001, d_model=256, num_layers=2, num_heads=8, num_kv_heads=2, qk_norm=True,
                       dense_hidden=512, num_experts=8, expert_hidden=128, router=RouterConfig(top_k=2))
     torch.manual_seed(0)
     model = Transformer(cfg).cuda()
-    model.set_document_masking(EOS)
+    model.set_document_masking(EOS, kernel)
+    assert model.document_masking_path(torch.device("cuda"), torch.bfloat16 if bf16 else torch.float32) == kernel
     g = torch.Generator().manual_seed(1)
     docs = [torch.randint(8, 1001, (n,), generator=g) for n in (300, 517, 200)]
     eos = torch.tensor([EOS])
@@ -34,3 +38,71 @@ def test_a_packed_document_reads_as_it_does_alone_on_the_gpu(bf16):
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
         unmasked = model(packed)[0][0, 301:819].float()
     assert float((unmasked - want).norm() / want.norm()) > 10 * err  # the mask is what makes them equal
+
+
+def _loss_and_grads(model: Transformer, tokens: torch.Tensor, bf16: bool) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+        ce, aux = model.loss(tokens[:, :-1], tokens[:, 1:])
+    (ce + aux).backward()
+    return float(ce), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@cuda
+@pytest.mark.parametrize("setting", ["eager", "compile", "checkpointing"])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_flex_and_sdpa_give_the_same_loss_and_gradients(bf16, setting):
+    """Odd length (301 tokens: the last block padded), grouped-query heads, documents of every length from 1 up, a
+    row with no eos at all; every parameter's gradient compared."""
+    cfg = ModelConfig(vocab_size=503, d_model=256, num_layers=2, num_heads=4, num_kv_heads=2, qk_norm=True,
+                      dense_hidden=512, num_experts=8, expert_hidden=128, router=RouterConfig(top_k=2),
+                      dense_layers=[0])
+    torch.manual_seed(0)
+    model = Transformer(cfg).cuda()
+    if setting == "compile":
+        model.set_compile(True)
+    if setting == "checkpointing":
+        model.set_activation_checkpointing("full")
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(8, 503, (3, 302), generator=g)
+    tokens[torch.rand(3, 302, generator=g) < 0.02] = EOS
+    tokens[0, 150:153] = EOS  # documents of one token
+    tokens[2][tokens[2] == EOS] = 9  # one document over the whole window
+    tokens = tokens.cuda()
+    results = {}
+    for kernel in ("sdpa", "flex"):
+        model.set_document_masking(EOS, kernel)
+        assert model.document_masking_path(tokens.device, torch.bfloat16 if bf16 else torch.float32) == kernel
+        results[kernel] = _loss_and_grads(model, tokens, bf16)
+    (loss_s, grads_s), (loss_f, grads_f) = results["sdpa"], results["flex"]
+    assert abs(loss_f - loss_s) < (2e-2 if bf16 else 1e-5) * abs(loss_s)
+    tol = 3e-2 if bf16 else 2e-4
+    for name, want in grads_s.items():
+        err = float((grads_f[name] - want).norm() / want.norm().clamp_min(1e-12))
+        assert err < tol, (name, err)
+
+
+@cuda
+def test_new_documents_each_step_reuse_the_compiled_flex_kernel():
+    """Each forward builds a new BlockMask (a new mask_mod closure over that batch's document ids): the compiled
+    flex_attention must serve them all from its first compile, not recompile per batch (torch.compile's
+    recompile limit would then drop it to the eager kernel, which holds every score)."""
+    from torch._dynamo.utils import counters
+
+    cfg = ModelConfig(vocab_size=503, d_model=256, num_layers=2, num_heads=4, num_kv_heads=2, dense_hidden=512,
+                      num_experts=8, expert_hidden=128, router=RouterConfig(top_k=2))
+    torch.manual_seed(0)
+    model = Transformer(cfg).cuda()
+    model.set_document_masking(EOS, "flex")
+    g = torch.Generator().manual_seed(3)
+
+    def step() -> None:
+        tokens = torch.randint(8, 503, (2, 513), generator=g)
+        tokens[torch.rand(2, 513, generator=g) < 0.01] = EOS
+        _loss_and_grads(model, tokens.cuda(), bf16=True)
+
+    step()
+    compiled = dict(counters["stats"])
+    for _ in range(4):
+        step()
+    assert dict(counters["stats"]) == compiled, (compiled, dict(counters["stats"]))

@@ -607,6 +607,16 @@ def check_document_masking(ctx: Ctx, name: str) -> None:
         assert not torch.allclose(trainer.model(x)[0][:, 6:], causal(x)[0][:, 6:], atol=1e-4)
 
 
+@effect("train.document_masking_kernel", what="how attention applies the document mask (FlexAttention or SDPA)")
+def check_document_masking_kernel(ctx: Ctx, name: str) -> None:
+    trainer, _, _ = ctx.run(ctx.cfg(**{"train.document_masking": True, name: "sdpa"}))
+    assert trainer.model.document_mask_kernel == "sdpa"
+    assert trainer.model.document_masking_path(torch.device("cuda"), torch.bfloat16) == "sdpa"
+    # FlexAttention has no CPU backward: 'flex' on this CPU is refused when the trainer is built, before any step
+    with pytest.raises(ValueError, match="document_masking_kernel='flex'"):
+        Trainer(ctx.cfg(**{"train.document_masking": True, name: "flex"}))
+
+
 @effect("train.progress", what="the progress bar and lines on the terminal")
 def check_progress(ctx: Ctx, name: str, capsys) -> None:
     ctx.run(ctx.cfg(**{"train.steps": 1, "train.eval_interval": 1, name: False}))

@@ -37,7 +37,7 @@ def synthetic_steps(cfg: Config) -> tuple[Runtime, Callable[[int], float]]:
         doc = max(seq // 4, 1)
         for b in batches:
             b[:, doc::doc] = BENCH_EOS_ID
-        model.set_document_masking(BENCH_EOS_ID)
+        model.set_document_masking(BENCH_EOS_ID, t.document_masking_kernel)
 
     def one_step(i: int) -> float:
         for micro in range(t.grad_accum):
@@ -65,6 +65,9 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
     t, m = cfg.train, cfg.model
     runtime, one_step = synthetic_steps(cfg)
     device = runtime.device
+    attention_dtype = (torch.bfloat16 if device.type == "cuda" and t.autocast_bf16
+                       else next(runtime.model.parameters()).dtype)
+    masking_path = runtime.model.document_masking_path(device, attention_dtype)  # "flex" / "sdpa" / None
     seq, mb = cfg.data.seq_len, t.micro_batch_size
     try:  # the process group is closed however the run ends
         for i in range(warmup):
@@ -103,6 +106,7 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
         "activation_checkpointing": t.activation_checkpointing, "compile": t.compile,
         "loss_chunk_tokens": t.loss_chunk_tokens, "lm_z_loss_weight": t.lm_z_loss_weight,
         "document_masking": t.document_masking,
+        "document_masking_kernel": t.document_masking_kernel, "document_masking_path": masking_path,
         # every rank's tokens over the slowest rank's time (pp=1: each rank trains on its own tokens)
         "tokens_per_s_all_ranks": tokens * runtime.world_size / slowest,
         "rank": runtime.rank,

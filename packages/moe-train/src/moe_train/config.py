@@ -140,6 +140,11 @@ class TrainConfig:
     # attention within documents: a token attends only to the earlier tokens of its own document (the data folder's
     # eos_id ends each), in training and eval; false = causal over the whole window, across document boundaries
     document_masking: bool = False
+    # how attention applies the document mask: "flex" (FlexAttention, compiled, with a block mask that skips other
+    # documents' keys: a GPU, bf16 / fp16 / fp32, head dims 16-128 that are powers of two), "sdpa"
+    # (scaled_dot_product_attention with one additive [B, 1, S, S] mask: everywhere, slower on a GPU) or "auto"
+    # (flex where it runs, sdpa elsewhere). sdpa by default until the flex path has run on a GPU
+    document_masking_kernel: str = "sdpa"
     progress: bool = True
     threads: int = 0  # torch CPU threads; 0 = leave torch's default
     max_skipped_steps: int = 10  # consecutive non-finite steps before the run stops with an error
@@ -175,6 +180,7 @@ class Config:
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 # What train.activation_checkpointing may recompute in backward (model/recompute.py; README "Activation checkpointing").
 ACTIVATION_CHECKPOINTING = ("none", "full", "mlp")
+DOCUMENT_MASKING_KERNELS = ("auto", "flex", "sdpa")  # train.document_masking_kernel (model/document_mask.py)
 # String fields where the word "none" is one of the values; config_io reads it as null (refused) elsewhere.
 NONE_IS_A_VALUE = ("train.activation_checkpointing",)
 
@@ -392,6 +398,7 @@ def validate(cfg: Config) -> Config:
            f">= 0 and <= {MAX_THREADS} (0 leaves torch's default)")
     _choice("train.device", t.device, ("auto", "cpu", "cuda"))
     _choice("train.activation_checkpointing", t.activation_checkpointing, ACTIVATION_CHECKPOINTING)
+    _choice("train.document_masking_kernel", t.document_masking_kernel, DOCUMENT_MASKING_KERNELS)
     _check(t.loss_chunk_tokens >= 0, "train.loss_chunk_tokens", t.loss_chunk_tokens,
            "an integer >= 0 (tokens per chunk of the LM head and loss; 0 = no chunks)")
     _check(t.lm_z_loss_weight >= 0, "train.lm_z_loss_weight", t.lm_z_loss_weight, ">= 0 (0 = no LM head z-loss)")

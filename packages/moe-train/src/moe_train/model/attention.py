@@ -1,14 +1,17 @@
 """Grouped-query causal self-attention through scaled_dot_product_attention, optional QK-norm, q/k/v biases,
-partial rotary and a document mask (train.document_masking)."""
+partial rotary and a document mask (train.document_masking: SDPA with an additive mask or FlexAttention with a block
+mask, model/document_mask.py)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 
 from moe_precision import PrecisionRecipe
 from moe_train.config import ModelConfig, validate_model
+from moe_train.model.document_mask import flex_document_attention
 from moe_train.model.layers import RMSNorm
 from moe_train.model.rope import apply_rope
 
@@ -30,10 +33,10 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [B, S, d] -> [B, S, d]. mask: None (causal) or [B, 1, S, S], causal already (document_attention_mask):
-        bool, True where a query (row) may attend a key (column), or additive (0 or -inf; attention_bias), cast to
-        the query's dtype when it is another."""
+                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+        """x: [B, S, d] -> [B, S, d]. mask: None (causal), a BlockMask (document_block_mask: FlexAttention) or
+        [B, 1, S, S], causal already (document_attention_mask): bool, True where a query (row) may attend a key
+        (column), or additive (0 or -inf; attention_bias), cast to the query's dtype when it is another."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
@@ -42,12 +45,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.num_kv_heads != self.num_heads:
-            rep = self.num_heads // self.num_kv_heads
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
-            mask = mask.to(q.dtype)  # SDPA takes a float mask in the query's dtype only
-        out = (F.scaled_dot_product_attention(q, k, v, is_causal=True) if mask is None
-               else F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+        if isinstance(mask, BlockMask):
+            out = flex_document_attention(q, k, v, mask)  # shares the kv heads itself
+        else:
+            if self.num_kv_heads != self.num_heads:
+                rep = self.num_heads // self.num_kv_heads
+                k = k.repeat_interleave(rep, dim=1)
+                v = v.repeat_interleave(rep, dim=1)
+            if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
+                mask = mask.to(q.dtype)  # SDPA takes a float mask in the query's dtype only
+            out = (F.scaled_dot_product_attention(q, k, v, is_causal=True) if mask is None
+                   else F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))

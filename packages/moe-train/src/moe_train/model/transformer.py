@@ -14,9 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_precision import PrecisionRecipe
-from moe_train.config import ACTIVATION_CHECKPOINTING, ModelConfig, validate_model
+from moe_train.config import ACTIVATION_CHECKPOINTING, DOCUMENT_MASKING_KERNELS, ModelConfig, validate_model
 from moe_train.model.attention import Attention
 from moe_train.model.chunked_loss import IGNORED_TARGET, bad_targets, check_targets, chunked_head_losses
+from moe_train.model.document_mask import (attention_bias, document_attention_mask, document_block_mask,
+                                           flex_document_attention_runs)
 from moe_train.model.layers import RMSNorm, SwiGLU, fp32_or_wider
 from moe_train.model.rope import rope_tables
 from moe_train.model.moe import MoELayer, RoutedExperts
@@ -111,24 +113,6 @@ class LossTerms(NamedTuple):
     lm_z: torch.Tensor
 
 
-def document_attention_mask(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """tokens [B, S] -> [B, 1, S, S] bool: query i may attend key j when j <= i and both are in the same document.
-    eos_id ends a document and belongs to it (the token after it starts the next); a window's first tokens are the
-    tail of a document begun before it, its last the head of one that goes on."""
-    ends = tokens == eos_id
-    document = torch.cumsum(ends, dim=1) - ends.long()  # the number of documents ended before each position
-    same = document.unsqueeze(2) == document.unsqueeze(1)
-    causal = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool, device=tokens.device).tril()
-    return (same & causal).unsqueeze(1)
-
-
-def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean attention mask as the additive one scaled_dot_product_attention makes of it: 0 where True, -inf
-    where False, in dtype (the query's)."""
-    zero = torch.zeros((), dtype=dtype, device=mask.device)
-    return torch.where(mask, zero, float("-inf"))  # out of place: torch.func.vmap batches the mask alone
-
-
 def _check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
     """tokens is [B, S] and, on the CPU, every id in [0, vocab_size): the embedding's own error, "index out of range
     in self", named neither the id nor the vocabulary (a [S] tensor failed on `tuple index out of range`). On a GPU
@@ -165,6 +149,7 @@ class Transformer(nn.Module):
         self.loss_chunk_tokens = 0  # set_loss_chunk_tokens: 0 = the whole micro-batch's logits at once
         self.lm_z_loss_weight = 0.0  # set_lm_z_loss_weight: 0 = no LM head z-loss
         self.document_eos_id: int | None = None  # set_document_masking: None = causal over the whole window
+        self.document_mask_kernel = "sdpa"  # ... and how the mask is applied
         recipe = PrecisionRecipe(cfg.precision) if recipe is None else recipe
         with torch.device(device) if device is not None else nullcontext():
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -226,13 +211,7 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         cos, sin = self._rope(tokens.shape[1], tokens.device, fp32_or_wider(x.dtype))
         aux = torch.zeros((), device=tokens.device, dtype=torch.float32)
-        mask = None
-        if self.document_eos_id is not None:
-            # one additive mask for every layer, in the dtype attention computes in: SDPA turned the boolean one into
-            # a float copy in each layer, which backward kept (L x [B, 1, S, S] fp32 where this keeps one)
-            dev = tokens.device.type
-            dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-            mask = attention_bias(document_attention_mask(tokens, self.document_eos_id), dtype)
+        mask = None if self.document_eos_id is None else self._document_mask(tokens, x.dtype)
         for block in self.blocks:
             x, a = block(x, cos, sin, mask)
             aux = aux + a
@@ -297,17 +276,49 @@ class Transformer(nn.Module):
             raise ValueError(f"lm_z_loss_weight={weight!r}: expected a finite number >= 0 (0 = no z-loss)")
         self.lm_z_loss_weight = float(weight)
 
-    def set_document_masking(self, eos_id: int | None) -> None:
+    def set_document_masking(self, eos_id: int | None, kernel: str = "sdpa") -> None:
         """Attention within documents only (train.document_masking, set by the trainer with its data's eos_id): a
         token attends to the earlier tokens of its own document, eos_id ending each (document_attention_mask), in
         forward and in every loss; None = causal over the whole window. RoPE positions stay the window's (rotary
-        attention depends on offsets only, so a document reads the same wherever the window put it). Changes no
-        parameter or buffer."""
+        attention depends on offsets only, so a document reads the same wherever the window put it).
+
+        kernel (train.document_masking_kernel): "flex" (FlexAttention with a block mask: blocks of other documents
+        skipped; a GPU, bf16 / fp16 / fp32, head dims 16-128 that are powers of two), "sdpa" (one additive
+        [B, 1, S, S] mask, everywhere) or "auto" (flex where it runs, sdpa elsewhere); model/document_mask.py.
+        Changes no parameter or buffer."""
         if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int)
                                    or not 0 <= eos_id < self.cfg.vocab_size):
             raise ValueError(f"document masking eos_id={eos_id!r}: expected a token id in [0, model.vocab_size="
                              f"{self.cfg.vocab_size}) or None (no document mask)")
+        if kernel not in DOCUMENT_MASKING_KERNELS:
+            raise ValueError(f"document masking kernel={kernel!r}: expected one of {', '.join(DOCUMENT_MASKING_KERNELS)}")
         self.document_eos_id = eos_id
+        self.document_mask_kernel = kernel
+
+    def document_masking_path(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """How a forward on device, computing attention in dtype (autocast's when it is on), applies the document
+        mask: "flex" or "sdpa" (set_document_masking's kernel, "auto" resolved); None without document masking.
+        Raises for kernel "flex" where FlexAttention does not run."""
+        if self.document_eos_id is None:
+            return None
+        head_dim = self.cfg.resolved_head_dim
+        flex = flex_document_attention_runs(device, dtype, head_dim)
+        if self.document_mask_kernel == "flex" and not flex:
+            raise ValueError(f"train.document_masking_kernel='flex' cannot run attention in {dtype} on {device} with "
+                             f"head_dim={head_dim}: FlexAttention here needs a CUDA device, bf16 / fp16 / fp32 "
+                             f"and a head dim in 16-128 that is a power of two; use 'auto' or 'sdpa'")
+        return "flex" if flex and self.document_mask_kernel != "sdpa" else "sdpa"
+
+    def _document_mask(self, tokens: torch.Tensor, dtype: torch.dtype):
+        """The document mask of this forward, shared by every layer: a BlockMask for FlexAttention or one additive
+        mask in the dtype attention computes in (SDPA made a float copy of a boolean one in each layer, which
+        backward kept: L x [B, 1, S, S] fp32 where this keeps one)."""
+        dev = tokens.device
+        if torch.is_autocast_enabled(dev.type):
+            dtype = torch.get_autocast_dtype(dev.type)
+        if self.document_masking_path(dev, dtype) == "flex":
+            return document_block_mask(tokens, self.document_eos_id)
+        return attention_bias(document_attention_mask(tokens, self.document_eos_id), dtype)
 
     def set_compile(self, enabled: bool) -> None:
         """train.compile (set by the runtime): torch.compile each block's attention, its two norms and a dense
@@ -332,6 +343,7 @@ class Transformer(nn.Module):
         self.__dict__.setdefault("loss_chunk_tokens", 0)  # a module pickled before set_loss_chunk_tokens existed
         self.__dict__.setdefault("lm_z_loss_weight", 0.0)  # ... or before set_lm_z_loss_weight
         self.__dict__.setdefault("document_eos_id", None)  # ... or before set_document_masking
+        self.__dict__.setdefault("document_mask_kernel", "sdpa")  # ... or before its kernel choice
         if self.__dict__.setdefault("compiled", False):  # a module pickled before train.compile: eager
             self.set_compile(True)
 

@@ -78,7 +78,7 @@ class Trainer:
             torch.manual_seed(t.seed)
             self.model = rt.setup(Transformer(cfg.model, device="meta"))  # each rank allocates only its slice
             if t.document_masking:  # the data's end-of-document id, which the config does not know
-                self.model.set_document_masking(self.meta["eos_id"])
+                self.model.set_document_masking(self.meta["eos_id"], t.document_masking_kernel)
             self.run_dir = Path(t.run_dir)
             self.init_source: Path | None = None  # train.init_from's checkpoint, on a run that starts at step 0
             self.step = 0
@@ -88,6 +88,9 @@ class Trainer:
             self.first_eval_loss: float | None = None
             self.last_eval_loss: float | None = None
             self.autocast = self.device.type == "cuda" and t.autocast_bf16
+            if t.document_masking:  # a kernel that cannot run here is refused now, not at the first forward
+                attention_dtype = torch.bfloat16 if self.autocast else next(self.model.parameters()).dtype
+                self.model.document_masking_path(self.device, attention_dtype)
             self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
             self.peak = run_peak_tflops(cfg, self.device)  # None (no MFU) when the GEMMs run in fp32
             self.ctrl_c = CtrlCWatch()  # a Ctrl-C the garbage collector drops still stops the run
