@@ -67,9 +67,9 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
     device = runtime.device
     attention_dtype = (torch.bfloat16 if device.type == "cuda" and t.autocast_bf16
                        else next(runtime.model.parameters()).dtype)
-    masking_path = runtime.model.document_masking_path(device, attention_dtype)  # "flex" / "sdpa" / None
     seq, mb = cfg.data.seq_len, t.micro_batch_size
-    try:  # the process group is closed however the run ends
+    try:  # the process group is closed however the run ends (a kernel refused here too)
+        masking_path = runtime.model.document_masking_path(device, attention_dtype)  # "flex" / "sdpa" / None
         for i in range(warmup):
             one_step(i)
         if device.type == "cuda":

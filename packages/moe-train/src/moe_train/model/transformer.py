@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_precision import PrecisionRecipe
-from moe_train.config import ACTIVATION_CHECKPOINTING, DOCUMENT_MASKING_KERNELS, ModelConfig, validate_model
+from moe_train.config import (ACTIVATION_CHECKPOINTING, DOCUMENT_MASKING_KERNELS, ConfigError, ModelConfig,
+                              validate_model)
 from moe_train.model.attention import Attention
 from moe_train.model.chunked_loss import IGNORED_TARGET, bad_targets, check_targets, chunked_head_losses
 from moe_train.model.document_mask import (attention_bias, document_attention_mask, document_block_mask,
@@ -298,15 +299,16 @@ class Transformer(nn.Module):
     def document_masking_path(self, device: torch.device, dtype: torch.dtype) -> str | None:
         """How a forward on device, computing attention in dtype (autocast's when it is on), applies the document
         mask: "flex" or "sdpa" (set_document_masking's kernel, "auto" resolved); None without document masking.
-        Raises for kernel "flex" where FlexAttention does not run."""
+        Raises ConfigError (the CLI's one-line error, not a traceback) for kernel "flex" where FlexAttention does
+        not run."""
         if self.document_eos_id is None:
             return None
         head_dim = self.cfg.resolved_head_dim
         flex = flex_document_attention_runs(device, dtype, head_dim)
         if self.document_mask_kernel == "flex" and not flex:
-            raise ValueError(f"train.document_masking_kernel='flex' cannot run attention in {dtype} on {device} with "
-                             f"head_dim={head_dim}: FlexAttention here needs a CUDA device, bf16 / fp16 / fp32 "
-                             f"and a head dim in 16-128 that is a power of two; use 'auto' or 'sdpa'")
+            raise ConfigError(f"train.document_masking_kernel='flex' cannot run attention in {dtype} on {device} with "
+                              f"head_dim={head_dim}: FlexAttention here needs a CUDA device, bf16 / fp16 / fp32 "
+                              f"and a head dim in 16-128 that is a power of two; use 'auto' or 'sdpa'")
         return "flex" if flex and self.document_mask_kernel != "sdpa" else "sdpa"
 
     def _document_mask(self, tokens: torch.Tensor, dtype: torch.dtype):
