@@ -30,7 +30,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 import yaml
 from torch.nn.attention.flex_attention import create_block_mask
 
