@@ -14,8 +14,9 @@ Found (each fixed in module_state.py; the tests that fail on 0.11.0 are named):
 5. After apply_fsdp (FSDP2), a frozen parameter is a DTensor, each rank holding its own shard: the call died in
    copy_ with "got mixed torch.Tensor and DTensor"; now refused on every rank, naming it and "before apply_fsdp", each
    rank's shard kept (test_an_fsdp2_sharded_frozen_parameter_...).
-Found, not fixed: the packed buffer holds a group's whole frozen state at once (peak memory twice that state, e.g. a
-frozen base model under adapters); torch DDP broadcasts in 250 MB buckets.
+Found, not fixed then: the packed buffer held a group's whole frozen state at once (peak memory twice that state, e.g.
+a frozen base model under adapters); torch DDP broadcasts in 250 MB buckets. Fixed in moe-parallel 0.12.0 (bucket_bytes,
+test_module_state_buckets.py).
 
 Held: moe-train's Transformer at dp=4 ep=2 (apply_expert_parallel before and after, same result) and dp=4 ep=4
 (expert-dp groups of one): the router's expert_bias, step/stat buffers, shared expert and frozen embedding over dp

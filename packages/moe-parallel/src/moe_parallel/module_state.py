@@ -22,7 +22,8 @@ _BYTE_ALIGN = 16  # every tensor starts aligned in the byte buffer, so its slice
 
 
 @torch.no_grad()
-def broadcast_module_state(model: nn.Module, groups: ParallelGroups, exclude: Collection[str] = ()) -> None:
+def broadcast_module_state(model: nn.Module, groups: ParallelGroups, exclude: Collection[str] = (), *,
+                           bucket_bytes: int = 256 * 2**20) -> None:
     """Copy the first replica's frozen parameters and buffers into every rank's model, in place (collective over dp).
 
     Which tensors: every buffer (persistent or not; int counters, bool masks and 0-element ones included) and every
@@ -39,21 +40,37 @@ def broadcast_module_state(model: nn.Module, groups: ParallelGroups, exclude: Co
     Call on every rank of groups.dp, after the model is built and materialized, before training; before or after
     apply_expert_parallel and FlatParams alike. Every rank must pass a model with the same such names, shapes and
     dtypes (else a ValueError on every rank names the first difference); tensors on the meta device are refused, and
-    so are DTensors (apply_fsdp shards frozen parameters: call this before it). The bytes of each group's tensors
-    travel in one broadcast, so every dtype arrives bit-exact (peak memory: that state twice). A group of one rank
-    changes nothing.
+    so are DTensors (apply_fsdp shards frozen parameters: call this before it). Tensors travel as their bytes, so every
+    dtype arrives bit-exact: in order, packed into buckets of at most `bucket_bytes` (a positive int, the same on every
+    rank: a bad or differing value is refused on every rank), one broadcast per bucket, as torch DDP broadcasts its
+    buffers in 250 MB buckets; a tensor larger than bucket_bytes travels alone, in place when it is contiguous (no
+    copy), else through a copy of its own. Peak extra memory: one bucket (at most bucket_bytes) and the contiguous
+    copy of one tensor in it, so at most twice bucket_bytes, or else one copy of the largest tensor over bucket_bytes
+    that cannot travel in place (not contiguous, e.g. transposed or expanded; a conjugate view; not on the
+    collective's device, e.g. on CPU under NCCL). A group of one rank changes nothing.
     """
     dense, expert, refusal = _module_state(model, exclude)
+    refusal = _bucket_refusal(bucket_bytes) or refusal
     device = collective_device(groups.dp)
-    entries = ([f"{name!r} {_describe(t)} over dp" for name, t in dense]
+    entries = ([f"bucket_bytes={bucket_bytes!r}"]  # the buckets, so the broadcasts, must match on every rank
+               + [f"{name!r} {_describe(t)} over dp" for name, t in dense]
                + [f"{name!r} {_describe(t)} over edp" for name, t in expert])
     what = "broadcast_module_state: the frozen parameters and buffers"
     # One check over dp covers both: edp is a subset of dp, and each rank's expert slices have the same shapes.
+    # A bad bucket_bytes travels as this rank's refusal: raised on every rank, with no broadcast begun (no hang).
     require_same_on_every_rank(groups.dp, entries, what, device, refusal,
                                expected="every rank of the group to build the same model (same frozen parameter and "
-                                        "buffer names, shapes and dtypes, in the same order)")
-    _broadcast([t for _, t in dense], groups.dp)
-    _broadcast([t for _, t in expert], groups.edp)
+                                        "buffer names, shapes and dtypes, in the same order) and pass the same "
+                                        "bucket_bytes")
+    _broadcast([t for _, t in dense], groups.dp, bucket_bytes)
+    _broadcast([t for _, t in expert], groups.edp, bucket_bytes)
+
+
+def _bucket_refusal(bucket_bytes: object) -> ValueError | None:
+    if isinstance(bucket_bytes, int) and not isinstance(bucket_bytes, bool) and bucket_bytes > 0:
+        return None
+    return ValueError(f"broadcast_module_state: bucket_bytes={bucket_bytes!r} is not a positive int; expected the most "
+                      "bytes one broadcast carries, e.g. 256 * 2**20 (the default)")
 
 
 def _module_state(model: nn.Module, exclude: Collection[str]) -> tuple[list, list, ValueError | None]:
@@ -104,25 +121,58 @@ def _describe(t: torch.Tensor) -> str:
     return f"{'frozen parameter' if isinstance(t, nn.Parameter) else 'buffer'} {tuple(t.shape)} {t.dtype}"
 
 
-def _broadcast(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """The tensors' bytes packed into one uint8 buffer, broadcast from the group's first rank, copied back in place."""
+def _broadcast(tensors: list[torch.Tensor], group: dist.ProcessGroup, bucket_bytes: int) -> None:
+    """The tensors' bytes broadcast from the group's first rank and copied back in place: in order, consecutive ones
+    packed into uint8 buckets of at most bucket_bytes (each tensor 16-byte aligned), one broadcast per bucket; one
+    larger than bucket_bytes alone, in place where it can be. Every rank makes the same broadcasts of the same sizes:
+    they follow from the shapes and dtypes alone, which every rank was checked to share."""
     if dist.get_world_size(group) == 1:
         return
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    starts, cursor = [], 0
-    for size in sizes:
-        starts.append(cursor)
-        cursor += -(-size // _BYTE_ALIGN) * _BYTE_ALIGN
-    if cursor == 0:  # nothing but 0-element tensors (every rank agrees: the shapes were checked)
-        return
-    packed = torch.empty(cursor, dtype=torch.uint8, device=collective_device(group))
-    for t, start, size in zip(tensors, starts, sizes):
-        if size:
-            packed[start : start + size].copy_(_bytes_of(t))
+    device = collective_device(group)
+    bucket: list[tuple[torch.Tensor, int, int]] = []  # (tensor, start, size)
+    end = 0  # bytes the bucket holds so far
+    for t in tensors:
+        size = t.numel() * t.element_size()
+        if size == 0:  # a 0-element tensor: nothing to send (every rank agrees: the shapes were checked)
+            continue
+        start = -(-end // _BYTE_ALIGN) * _BYTE_ALIGN
+        if bucket and start + size > bucket_bytes:
+            _send_bucket(bucket, end, group, device)
+            bucket, start = [], 0
+        if size > bucket_bytes:
+            _send_alone(t, group, device)
+            end = 0
+            continue
+        bucket.append((t, start, size))
+        end = start + size
+    if bucket:
+        _send_bucket(bucket, end, group, device)
+
+
+def _send_bucket(bucket: list[tuple[torch.Tensor, int, int]], nbytes: int, group: dist.ProcessGroup,
+                 device: torch.device) -> None:
+    packed = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    for t, start, size in bucket:
+        packed[start : start + size].copy_(_bytes_of(t))
     dist.broadcast(packed, dist.get_global_rank(group, 0), group=group)
-    for t, start, size in zip(tensors, starts, sizes):
-        if size:
-            _write(t, packed[start : start + size].view(t.dtype).view(t.shape))
+    for t, start, size in bucket:
+        _write(t, packed[start : start + size].view(t.dtype).view(t.shape))
+
+
+def _send_alone(t: torch.Tensor, group: dist.ProcessGroup, device: torch.device) -> None:
+    """One tensor larger than a bucket: its own bytes broadcast in place where they lie in order (contiguous, on the
+    collective's device, no lazy conjugate / negative bit), else a copy of them, written back."""
+    src = dist.get_global_rank(group, 0)
+    if t.device == device and t.is_contiguous() and not t.is_conj() and not t.is_neg() and not _expanded(t):
+        dist.broadcast(t.detach().reshape(-1).view(torch.uint8), src, group=group)  # reshape: a 0-dim one too
+        return
+    copy = _bytes_of(t).to(device)  # a new tensor: t is not contiguous, or conjugate / negative, or elsewhere
+    dist.broadcast(copy, src, group=group)
+    _write(t, copy.view(t.dtype).view(t.shape))
+
+
+def _expanded(t: torch.Tensor) -> bool:
+    return any(t.stride(d) == 0 and t.shape[d] > 1 for d in range(t.dim()))
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
