@@ -94,8 +94,7 @@ def test_auto_takes_flex_on_a_gpu_where_it_runs_and_sdpa_elsewhere():
     model = _model()
     assert model.document_masking_path(cuda, torch.bfloat16) is None  # no document masking
     model.set_document_masking(EOS)
-    assert model.document_mask_kernel == "sdpa"  # until FlexAttention has run on a GPU here
-    model.set_document_masking(EOS, "auto")
+    assert model.document_mask_kernel == "auto"
     assert model.document_masking_path(cuda, torch.bfloat16) == "flex"
     assert model.document_masking_path(cuda, torch.float32) == "flex"
     assert model.document_masking_path(cuda, torch.float64) == "sdpa"

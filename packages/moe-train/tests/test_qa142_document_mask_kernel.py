@@ -251,7 +251,7 @@ def test_the_field_round_trips_through_yaml_and_the_command_line(tmp_path):
         path.write_text(yaml.safe_dump(cfg.to_dict()))
         again = build_config(None, str(path))
         assert again.to_dict() == cfg.to_dict()
-    assert build_config("tiny").train.document_masking_kernel == "sdpa"  # the default
+    assert build_config("tiny").train.document_masking_kernel == "auto"  # the default
     for bad in ("flash", "none", "~", "Flex"):
         with pytest.raises(ConfigError, match="train.document_masking_kernel"):
             build_config("tiny", None, {"train.document_masking_kernel": bad})

@@ -143,8 +143,8 @@ class TrainConfig:
     # how attention applies the document mask: "flex" (FlexAttention, compiled, with a block mask that skips other
     # documents' keys: a GPU, bf16 / fp16 / fp32, head dims 16-128 that are powers of two), "sdpa"
     # (scaled_dot_product_attention with one additive [B, 1, S, S] mask: everywhere, slower on a GPU) or "auto"
-    # (flex where it runs, sdpa elsewhere). sdpa by default until the flex path has run on a GPU
-    document_masking_kernel: str = "sdpa"
+    # (flex where it runs, sdpa elsewhere). H100: flex 69.1K tokens/s, sdpa 63.6K, causal 71.7K (fine-grained-e8)
+    document_masking_kernel: str = "auto"
     progress: bool = True
     threads: int = 0  # torch CPU threads; 0 = leave torch's default
     max_skipped_steps: int = 10  # consecutive non-finite steps before the run stops with an error

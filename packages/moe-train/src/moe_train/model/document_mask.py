@@ -9,7 +9,7 @@ document it ends. Two kernels (train.document_masking_kernel):
   key blocks of other documents are skipped, blocks wholly inside one document run without a mask, so shorter
   documents cost less than the causal window. GPU only (torch has no FlexAttention backward on the CPU), for
   bf16 / fp16 / fp32 and head dims 16-128 that are powers of two (flex_document_attention_runs).
-"auto" takes "flex" where it runs and "sdpa" elsewhere. The default is "sdpa" (TrainConfig).
+"auto" (the default) takes "flex" where it runs and "sdpa" elsewhere.
 """
 
 from __future__ import annotations

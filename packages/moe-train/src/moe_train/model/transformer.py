@@ -150,7 +150,7 @@ class Transformer(nn.Module):
         self.loss_chunk_tokens = 0  # set_loss_chunk_tokens: 0 = the whole micro-batch's logits at once
         self.lm_z_loss_weight = 0.0  # set_lm_z_loss_weight: 0 = no LM head z-loss
         self.document_eos_id: int | None = None  # set_document_masking: None = causal over the whole window
-        self.document_mask_kernel = "sdpa"  # ... and how the mask is applied
+        self.document_mask_kernel = "auto"  # ... and how the mask is applied
         recipe = PrecisionRecipe(cfg.precision) if recipe is None else recipe
         with torch.device(device) if device is not None else nullcontext():
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -277,7 +277,7 @@ class Transformer(nn.Module):
             raise ValueError(f"lm_z_loss_weight={weight!r}: expected a finite number >= 0 (0 = no z-loss)")
         self.lm_z_loss_weight = float(weight)
 
-    def set_document_masking(self, eos_id: int | None, kernel: str = "sdpa") -> None:
+    def set_document_masking(self, eos_id: int | None, kernel: str = "auto") -> None:
         """Attention within documents only (train.document_masking, set by the trainer with its data's eos_id): a
         token attends to the earlier tokens of its own document, eos_id ending each (document_attention_mask), in
         forward and in every loss; None = causal over the whole window. RoPE positions stay the window's (rotary
@@ -345,7 +345,7 @@ class Transformer(nn.Module):
         self.__dict__.setdefault("loss_chunk_tokens", 0)  # a module pickled before set_loss_chunk_tokens existed
         self.__dict__.setdefault("lm_z_loss_weight", 0.0)  # ... or before set_lm_z_loss_weight
         self.__dict__.setdefault("document_eos_id", None)  # ... or before set_document_masking
-        self.__dict__.setdefault("document_mask_kernel", "sdpa")  # ... or before its kernel choice
+        self.__dict__.setdefault("document_mask_kernel", "sdpa")  # ... or before its kernel choice: what it ran
         if self.__dict__.setdefault("compiled", False):  # a module pickled before train.compile: eager
             self.set_compile(True)
 
