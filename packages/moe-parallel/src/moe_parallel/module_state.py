@@ -40,14 +40,15 @@ def broadcast_module_state(model: nn.Module, groups: ParallelGroups, exclude: Co
     Call on every rank of groups.dp, after the model is built and materialized, before training; before or after
     apply_expert_parallel and FlatParams alike. Every rank must pass a model with the same such names, shapes and
     dtypes (else a ValueError on every rank names the first difference); tensors on the meta device are refused, and
-    so are DTensors (apply_fsdp shards frozen parameters: call this before it). Tensors travel as their bytes, so every
-    dtype arrives bit-exact: in order, packed into buckets of at most `bucket_bytes` (a positive int, the same on every
-    rank: a bad or differing value is refused on every rank), one broadcast per bucket, as torch DDP broadcasts its
-    buffers in 250 MB buckets; a tensor larger than bucket_bytes travels alone, in place when it is contiguous (no
-    copy), else through a copy of its own. Peak extra memory: one bucket (at most bucket_bytes) and the contiguous
-    copy of one tensor in it, so at most twice bucket_bytes, or else one copy of the largest tensor over bucket_bytes
-    that cannot travel in place (not contiguous, e.g. transposed or expanded; a conjugate view; not on the
-    collective's device, e.g. on CPU under NCCL). A group of one rank changes nothing.
+    so are sparse (not torch.strided) ones and DTensors (apply_fsdp shards frozen parameters: call this before it).
+    Tensors travel as their bytes, so every dtype arrives bit-exact: in order, packed into buckets of at most
+    `bucket_bytes` (a positive int, the same on every rank: a bad or differing value is refused on every rank), one
+    broadcast per bucket, as torch DDP broadcasts its buffers in 250 MB buckets; a tensor larger than bucket_bytes
+    travels alone, in place when it is contiguous (no copy), else through a copy of its own. Peak extra memory: one
+    bucket (at most bucket_bytes) and the contiguous copy of one tensor in it, so at most twice bucket_bytes, or else
+    one copy of the largest tensor over bucket_bytes that cannot travel in place (not contiguous, e.g. transposed or
+    expanded; a conjugate view; not on the collective's device, e.g. on CPU under NCCL). A group of one rank changes
+    nothing.
     """
     dense, expert, refusal = _module_state(model, exclude)
     refusal = _bucket_refusal(bucket_bytes) or refusal
@@ -105,9 +106,15 @@ def _module_state(model: nn.Module, exclude: Collection[str]) -> tuple[list, lis
     sharded = [n for n, t in state if dtensor is not None and isinstance(t, dtensor)]
     if sharded:
         return [], [], ValueError(
-            f"broadcast_module_state got DTensors (sharded by apply_fsdp / fully_shard): {sharded[:5]}; each rank holds "
-            "its own shard of them, which a broadcast from the first replica would overwrite; expected "
+            f"broadcast_module_state got DTensors (sharded by apply_fsdp / fully_shard): {sharded[:5]}; each rank "
+            "holds its own shard of them, which a broadcast from the first replica would overwrite; expected "
             "broadcast_module_state on the plain model, before apply_fsdp"
+        )
+    not_strided = [f"{n!r} ({t.layout})" for n, t in state if t.layout != torch.strided]
+    if not_strided:  # sparse or another layout: its bytes are no dense block a bucket could carry
+        return [], [], ValueError(
+            f"broadcast_module_state got tensors whose layout is not torch.strided: {', '.join(not_strided[:5])}; "
+            "expected dense (strided) frozen parameters and buffers, e.g. t.to_dense(), or their names in exclude"
         )
     prefixes = tuple(_experts_prefix(name) for name, _ in moe_layers(model))
     dense, expert = [], []
