@@ -292,7 +292,8 @@ class Transformer(nn.Module):
             raise ValueError(f"document masking eos_id={eos_id!r}: expected a token id in [0, model.vocab_size="
                              f"{self.cfg.vocab_size}) or None (no document mask)")
         if kernel not in DOCUMENT_MASKING_KERNELS:
-            raise ValueError(f"document masking kernel={kernel!r}: expected one of {', '.join(DOCUMENT_MASKING_KERNELS)}")
+            raise ValueError(f"document masking kernel={kernel!r}: expected one of "
+                             f"{', '.join(DOCUMENT_MASKING_KERNELS)}")
         self.document_eos_id = eos_id
         self.document_mask_kernel = kernel
 
