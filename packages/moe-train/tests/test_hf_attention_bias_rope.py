@@ -298,7 +298,7 @@ HF_CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden
      r"partial_rotary_factor=0\.5: expected 1\.0 \(Qwen2MoeForCausalLM rotates the whole head; only "
      r"Glm4MoeForCausalLM rotates part of it\)"),
     ({"model_type": "llama", "attention_bias": True, "mlp_bias": True}, r"config\.json mlp_bias=True: expected false"),
-    ({"model_type": "qwen2_moe", "num_experts": 4, "use_sliding_window": True},
+    ({"model_type": "llama", "use_sliding_window": True},  # Qwen2-MoE's windows import (sliding_window_pattern)
      r"config\.json use_sliding_window=True: expected false"),
 ])
 def test_hf_configs_that_remain_impossible_are_refused_naming_the_key(config, message):

@@ -118,8 +118,8 @@ def test_a_learned_gate_in_a_folder_that_says_ungated_is_refused(tmp_path):
 def test_unrepresentable_hf_config_is_refused(tmp_path):
     export_hf(make_model(**VARIANTS["qwen2_moe"]), tmp_path, dtype="fp32")
     cfg = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": True}))
-    with pytest.raises(HFConversionError, match="use_sliding_window=True: expected false"):
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": True, "sliding_window": 0}))
+    with pytest.raises(HFConversionError, match="sliding_window=0: expected an integer >= 1"):
         open_hf_folder(tmp_path)
     # q/k/v biases import (attention_bias), but only with their tensors
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "qkv_bias": True}))

@@ -30,7 +30,7 @@ import qa128_worker as w
 import test_parallel_harness as h
 from moe_train.config import Config, ConfigError, DataConfig, validate
 from moe_train.config_io import build_config
-from moe_train.model import Transformer
+from moe_train.model import Transformer, flops_per_token
 from moe_train.model.layers import RMSNorm
 from moe_train.model.rope import rope_tables
 from moe_train.trainer import data_setup, launch
@@ -233,6 +233,16 @@ def check_rope(ctx: Ctx, name: str) -> None:
                               torch.float32)
     assert cos.shape[-1] == (8 if name == "model.rope_theta" else 4)
     torch.testing.assert_close(cos, want_cos)
+    assert not torch.allclose(logits(base), logits(changed))
+
+
+@effect("model.sliding_window_pattern", what="each layer's attention window: its mask, the flops and the logits")
+def check_sliding_window(ctx: Ctx, name: str) -> None:
+    base, changed = ctx.cfg(), ctx.cfg(**{name: [3, 0]})
+    m = model(changed)
+    masks = m._attention_masks(TOKENS, torch.float32)
+    assert masks[1] is None and masks[0] is not None and bool((masks[0][0, 0, 5, 1] < 0) & (masks[0][0, 0, 5, 3] == 0))
+    assert flops_per_token(changed.model, TOKENS.shape[1]) < flops_per_token(base.model, TOKENS.shape[1])
     assert not torch.allclose(logits(base), logits(changed))
 
 

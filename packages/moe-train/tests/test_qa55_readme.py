@@ -26,6 +26,7 @@ BLOCKS = {
     ("moe-kernels", "import torch"): "run",  # both moe-kernels blocks start with it; the second picks cpu itself
     ("moe-precision", "import torch"): "raises: NotImplementedError",  # its last line: PrecisionRecipe("mxfp8")
     ("moe-train", "from moe_train import build_config, Transformer, count_params"): "run",
+    ("moe-train", "import torch"): "run",  # the sliding-window model
     ("moe-parallel", "import torch.distributed as dist"):
         "multi-rank: ParallelLayout(dp=4, ep=2), torchrun x4; run by test_qa112_readme_ranks.py",
     # the optimizer of the block above, with write / read left to the reader: test_qa112_readme_ranks.py runs it
@@ -126,7 +127,9 @@ def test_block_runs_on_cpu(pkg, code, tmp_path, monkeypatch, request):
         assert type(info.value).__name__ == exc
     else:
         exec(compile(code, f"<{pkg} README>", "exec"), ns)
-    if pkg == "moe-train":
+    if pkg == "moe-train" and "sliding_window_pattern" in code:  # the sliding-window model: a forward
+        assert ns["logits"].shape == (2, 64, 256) and ns["model"].cfg.attention_window(3) == 0
+    elif pkg == "moe-train":
         assert (tmp_path / "runs/e16-api/metrics.jsonl").exists()
         assert list((tmp_path / "runs/e16-api/checkpoints").glob("step-*"))
     if pkg == "moe-ckpt":

@@ -50,6 +50,10 @@ class ModelConfig:
     rope_theta: float = 10_000.0
     # The leading fraction of each head's dims that RoPE rotates (GLM-4.5: 0.5); the rest pass unrotated.
     rotary_fraction: float = 1.0
+    # Sliding-window attention: layer i's window is sliding_window_pattern[i % len(pattern)]; a window w lets a
+    # token attend to itself and the w - 1 tokens before it (Hugging Face's sliding_window), 0 = full causal
+    # attention. [] = full attention in every layer. OLMo 3: [4096, 4096, 4096, 0].
+    sliding_window_pattern: list[int] = field(default_factory=list)
     norm_eps: float = 1e-6
     dense_hidden: int = 512  # hidden size of dense SwiGLU layers
     dense_layers: list[int] = field(default_factory=list)  # indices of dense layers when num_experts > 0
@@ -73,6 +77,11 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """The leading dims of each head that RoPE rotates (validate: rotary_fraction x head_dim is whole and even)."""
         return int(self.rotary_fraction * self.resolved_head_dim)
+
+    def attention_window(self, index: int) -> int:
+        """Layer index's sliding window (sliding_window_pattern, cycled); 0 = full causal attention."""
+        pattern = self.sliding_window_pattern
+        return pattern[index % len(pattern)] if pattern else 0
 
     def is_moe_layer(self, index: int) -> bool:
         return self.num_experts > 0 and index not in self.dense_layers
@@ -331,6 +340,10 @@ def validate(cfg: Config) -> Config:
            f"a fraction of head_dim={m.resolved_head_dim} that rotates a whole even number of dims (RoPE rotates "
            f"pairs; this one gives {gives})")
     _check(m.num_experts >= 0, "model.num_experts", m.num_experts, "0 (dense) or a positive integer")
+    for w in m.sliding_window_pattern:
+        _check(isinstance(w, int) and not isinstance(w, bool) and w >= 0, "model.sliding_window_pattern",
+               m.sliding_window_pattern, "a list of integers >= 0 (a layer's window in tokens, itself included; "
+               "0 = full causal attention)")
     for i in m.dense_layers:
         _check(0 <= i < m.num_layers, "model.dense_layers", m.dense_layers, f"indices in [0, {m.num_layers})")
     if m.num_experts > 0:

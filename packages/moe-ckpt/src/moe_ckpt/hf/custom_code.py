@@ -25,7 +25,8 @@ REMOTE_CODE = Path(__file__).parent / "remote_code"
 REMOTE_CODE_FILES = ("configuration_moe_train.py", "modeling_moe_train.py")
 # Fields a model dict may leave out (written before they existed; spec reads them with their defaults), as the
 # modeling file does; every other computed field is in every export, and a folder without one is refused.
-OPTIONAL_FIELDS = frozenset({"head_dim", "attention_bias", "rotary_fraction", "shared_expert_gate"})
+OPTIONAL_FIELDS = frozenset({"head_dim", "attention_bias", "rotary_fraction", "shared_expert_gate",
+                             "sliding_window_pattern"})
 OPTIONAL_ROUTER_FIELDS = frozenset({"routed_scaling_factor"})
 AUTO_MAP = {
     "AutoConfig": "configuration_moe_train.MoeTrainConfig",
@@ -94,6 +95,9 @@ def from_custom_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
         if key in c and c[key] != value:
             raise HFConversionError(f"config.json {key}={c[key]!r} disagrees with {MODEL_KEY}, which gives {value!r} "
                                     "(the modeling file computes the latter): expected the two to agree")
+    # import_hf lays the dict over a base config: a folder written before the field existed has full attention
+    # (what its modeling file computes), never the base's windows.
+    m.setdefault("sliding_window_pattern", [])
     extra = {k: c[k] for k in EXTRA_KEYS if c.get(k) is not None}
     return m, extra
 

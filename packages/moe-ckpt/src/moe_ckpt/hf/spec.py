@@ -15,6 +15,14 @@ would export.
     custom_code=True (any valid model)   -> MoeTrainForCausalLM   (moe-train's own modeling code shipped in the
                                                                    folder, trust_remote_code=True: custom_code.py)
 
+Sliding-window attention (sliding_window_pattern; one window size in every windowed layer) exports to the classes
+whose config computes exactly those layers with every attention implementation: Qwen3 by layer_types +
+sliding_window, Qwen3-MoE only with every layer windowed (use_sliding_window; it has no layer_types). Llama and
+GLM-4-MoE have no sliding windows. transformers applies the window through the mask (eager, sdpa, flex) or the
+sliding_window its attention passes to the kernel (flash attention); Qwen2MoeAttention (transformers 5.24) passes
+none, so its flash attention attends to the whole prefix: a windowed Qwen2-MoE export is refused (custom code
+exports it). Its import is taken: eager, sdpa (the default) and flex compute the windows it was trained with.
+
 attention_bias (biases on q, k and v, none on o) is GLM-4-MoE's attention_bias and Qwen2-MoE's qkv_bias;
 Llama's, Qwen3's and Qwen3-MoE's attention_bias also puts one on o_proj, which is exported as zeros (and
 must be zeros to import). Only GLM-4-MoE rotates part of each head (partial_rotary_factor = rotary_fraction).
@@ -73,8 +81,8 @@ def _refuse(feature: str, nearest: str) -> HFConversionError:
 # since) is refused: the export cannot tell whether the folder would have to compute it.
 MAPPED_FIELDS = frozenset({
     "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "qk_norm", "attention_bias",
-    "rope_theta", "rotary_fraction", "norm_eps", "dense_hidden", "dense_layers", "num_experts", "expert_hidden",
-    "shared_expert_hidden", "shared_expert_gate", "tie_embeddings", "router",
+    "rope_theta", "rotary_fraction", "sliding_window_pattern", "norm_eps", "dense_hidden", "dense_layers",
+    "num_experts", "expert_hidden", "shared_expert_hidden", "shared_expert_gate", "tie_embeddings", "router",
 })
 UNCOMPUTED_FIELDS = frozenset({"init_std", "gemm_backend", "precision"})  # initialisation, kernels, training recipe
 ROUTER_FIELDS = frozenset({"gating", "top_k", "normalize_top_k", "routing", "expert_bias", "routed_scaling_factor"})
@@ -111,8 +119,11 @@ def choose_model_type(m: dict[str, Any], allow_benchmark_routing: bool = False, 
                 "LlamaForCausalLM's config refuses a hidden_size that is not a multiple of num_attention_heads "
                 "(head_dim notwithstanding), so transformers could not load the folder; nearest that exports: "
                 f"qk_norm=True (Qwen3ForCausalLM) or num_heads dividing d_model; {CUSTOM_CODE_REMEDY}")
-        return "qwen3" if m["qk_norm"] else "llama"
+        model_type = "qwen3" if m["qk_norm"] else "llama"
+        _check_windows(m, model_type)
+        return model_type
     model_type = _moe_model_type(m)
+    _check_windows(m, model_type)
     # After the architecture checks: allowing benchmark routing would not make a refused model export.
     _check_routing(m, allow_benchmark_routing)
     return model_type
@@ -132,6 +143,7 @@ def check_custom_code_model(m: dict[str, Any]) -> None:
     """What the custom-code modeling file needs of a model moe-train itself would build (moe-train validates the
     rest): named gating, whole GQA groups, whole even rotary dims, a top-k within the experts."""
     hd = head_dim(m)
+    layer_windows(m)  # a list of integers >= 0
     if m["num_heads"] % m["num_kv_heads"]:
         raise HFConversionError(f"num_kv_heads={m['num_kv_heads']} does not divide num_heads={m['num_heads']}: "
                                 "expected whole query-head groups per key/value head")
@@ -163,7 +175,8 @@ def _moe_model_type(m: dict[str, Any]) -> str:
             raise _refuse(f"num_experts={m['num_experts']} with sigmoid gating", "num_experts >= 2")
         if shared_expert_gate(m):
             raise _refuse("shared_expert_gate=True with sigmoid gating (GLM-4-MoE's shared experts are not gated)",
-                          "router.gating='softmax' with qk_norm=False (Qwen2MoeForCausalLM) or shared_expert_gate=False")
+                          "router.gating='softmax' with qk_norm=False (Qwen2MoeForCausalLM) or "
+                          "shared_expert_gate=False")
         return "glm4_moe"
     if r["gating"] != "softmax":
         raise HFConversionError(f"router.gating={r['gating']!r}: expected 'softmax' or 'sigmoid'")
@@ -182,6 +195,85 @@ def _moe_model_type(m: dict[str, Any]) -> str:
                       "no qk-norm, HunYuan-MoE normalises after RoPE)",
                       "router.gating='sigmoid' (Glm4MoeForCausalLM) or qk_norm=False (Qwen2MoeForCausalLM)")
     return "qwen3_moe" if m["qk_norm"] else "qwen2_moe"
+
+
+def layer_windows(m: dict[str, Any]) -> list[int]:
+    """Each layer's attention window (sliding_window_pattern cycled over the layers; a window w: the query and the
+    w - 1 keys before it, Hugging Face's sliding_window; 0: full causal attention). A model dict without the key
+    (written before it existed): 0 in every layer."""
+    pattern = m.get("sliding_window_pattern") or []
+    ok = isinstance(pattern, list) and all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in pattern)
+    if not ok:
+        raise HFConversionError(f"model.sliding_window_pattern={pattern!r}: expected a list of integers >= 0 (a "
+                                "layer's window in tokens, itself included; 0 = full causal attention)")
+    return [pattern[i % len(pattern)] if pattern else 0 for i in range(m["num_layers"])]
+
+
+def _check_windows(m: dict[str, Any], model_type: str) -> None:
+    """Refuse a sliding_window_pattern that model_type's class does not compute: Llama and GLM-4-MoE have no sliding
+    windows, each class has one sliding_window for all its windowed layers, Qwen3-MoE windows every layer or none."""
+    windows = layer_windows(m)
+    sizes = sorted({w for w in windows if w})
+    if not sizes:
+        return
+    value = f"sliding_window_pattern={m['sliding_window_pattern']!r}"
+    if model_type in ("llama", "glm4_moe"):
+        nearest = ("qk_norm=True (Qwen3ForCausalLM: windows per layer)" if model_type == "llama" else
+                   "router.gating='softmax' with qk_norm=True and one window in every layer (Qwen3MoeForCausalLM)")
+        raise _refuse(f"{value} ({ARCH[model_type]} has no sliding-window attention)",
+                      f"{nearest} or sliding_window_pattern=[]")
+    if model_type == "qwen2_moe":  # its config and masks have windows, its flash-attention path drops them
+        raise _refuse(f"{value} (Qwen2MoeAttention passes no sliding_window to flash attention, so that path attends "
+                      "to the whole prefix: the folder would compute another model there)",
+                      "qk_norm=True and one window in every layer (Qwen3MoeForCausalLM) or sliding_window_pattern=[]")
+    if model_type == "qwen3_moe" and (0 in windows or len(sizes) > 1):
+        raise _refuse(f"{value}: not one window in every layer (Qwen3MoeForCausalLM windows every layer with one "
+                      "sliding_window, or none: use_sliding_window, no layer_types)",
+                      f"sliding_window_pattern=[{sizes[0]}] (every layer) or []")
+    if len(sizes) > 1:
+        raise _refuse(f"{value}: windows of {len(sizes)} sizes {sizes} ({ARCH[model_type]} has one sliding_window for "
+                      "all its windowed layers)", f"one window size in every windowed layer, e.g. "
+                      f"sliding_window_pattern={[w and sizes[0] for w in m['sliding_window_pattern']]}")
+
+
+def _derived_layer_types(model_type: str, max_window_layers: Any, use_sliding_window: bool, num_layers: int,
+                         window: Any) -> list[bool]:
+    """Which layers slide in transformers' config class when config.json has no layer_types: Qwen3 from
+    max_window_layers on (when it has a sliding_window), Qwen2-MoE the even layers below max_window_layers."""
+    if model_type == "qwen3":
+        return [window is not None and i >= max_window_layers for i in range(num_layers)]
+    return [bool((i + 1) % 2) and i < max_window_layers and use_sliding_window for i in range(num_layers)]
+
+
+def _window_keys(windows: list[int], model_type: str) -> dict[str, Any]:
+    """config.json keys giving `windows` (one size; 0 = full) in Qwen3 (layer_types) or Qwen3-MoE (every layer), as
+    _check_windows lets through; Qwen2-MoE exports without windows (use_sliding_window false)."""
+    window = max(windows, default=0)
+    if not window:
+        return {"use_sliding_window": False}
+    if model_type not in ("qwen3", "qwen3_moe"):  # _check_windows refuses these before a config.json is written
+        raise HFConversionError(f"per-layer windows {windows}: {ARCH[model_type]} is not exported with sliding windows")
+    if model_type == "qwen3_moe":
+        return {"use_sliding_window": True, "sliding_window": window}
+    sliding = [w > 0 for w in windows]
+    c: dict[str, Any] = {
+        "use_sliding_window": True, "sliding_window": window,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+    }
+    # transformers 5 reads layer_types; max_window_layers (Qwen3: the layers from it on slide) is written where it
+    # derives the same layers (older readers), else left to the class default, unused.
+    first = sliding.index(True)
+    if all(sliding[first:]):
+        c["max_window_layers"] = first
+    return c
+
+
+def pattern_of(windows: list[int]) -> list[int]:
+    """The shortest sliding_window_pattern that cycles to these per-layer windows ([] for full attention in all)."""
+    if not any(windows):
+        return []
+    period = next(p for p in range(1, len(windows) + 1) if all(w == windows[i % p] for i, w in enumerate(windows)))
+    return windows[:period]
 
 
 def head_dim(m: dict[str, Any]) -> int:
@@ -267,6 +359,7 @@ def to_hf_config(m: dict[str, Any], model_type: str, dtype: str, extra: dict[str
         c.update(attention_bias=attention_bias(m), mlp_bias=False)
     elif model_type == "qwen3":
         c.update(attention_bias=attention_bias(m), use_sliding_window=False, sliding_window=None)
+        c.update(_window_keys(layer_windows(m), model_type))
     if model_type in ("llama", "qwen3"):
         return c
     r = m["router"]
@@ -278,10 +371,12 @@ def to_hf_config(m: dict[str, Any], model_type: str, dtype: str, extra: dict[str
     if model_type == "qwen3_moe":
         c.update(num_experts=m["num_experts"], mlp_only_layers=dense, decoder_sparse_step=1,
                  attention_bias=attention_bias(m), use_sliding_window=False, sliding_window=None)
+        c.update(_window_keys(layer_windows(m), model_type))
     elif model_type == "qwen2_moe":
         c.update(num_experts=m["num_experts"], mlp_only_layers=dense, decoder_sparse_step=1,
                  qkv_bias=attention_bias(m),
                  shared_expert_intermediate_size=m["shared_expert_hidden"], use_sliding_window=False)
+        c.update(_window_keys(layer_windows(m), model_type))
         if m["shared_expert_hidden"] > 0 and not shared_expert_gate(m):  # exported pinned open; import reads this
             c[NO_SHARED_EXPERT_GATE_KEY] = False
     elif model_type == "glm4_moe":
@@ -324,6 +419,59 @@ def mtp_layers(c: dict[str, Any]) -> range:
     return range(c["num_hidden_layers"], c["num_hidden_layers"] + n)
 
 
+# layer_types entries that name attention: sliding or not ("attention": transformers' legacy name of full_attention).
+SLIDING_LAYER_TYPES = {"full_attention": False, "attention": False, "sliding_attention": True}
+
+
+def hf_layer_windows(c: dict[str, Any]) -> list[int]:
+    """Each layer's attention window as transformers' class computes it from config.json (0: full causal attention),
+    or HFConversionError naming the key where the class computes no window moe-train has (or fails).
+
+    Qwen3: the layers of layer_types 'sliding_attention' (without layer_types: from max_window_layers on) attend
+    within sliding_window, which is None unless use_sliding_window (transformers then fails on the first forward).
+    Qwen2-MoE: likewise, sliding_window 0 unless use_sliding_window; without layer_types the even layers below
+    max_window_layers slide. Qwen3-MoE: every layer within sliding_window when use_sliding_window (no layer_types).
+    Llama, GLM-4-MoE: no sliding windows (use_sliding_window and sliding layer_types are refused)."""
+    mt, n = c["model_type"], c["num_hidden_layers"]
+    use = bool(c.get("use_sliding_window", False))
+    types = c.get("layer_types")
+    if types is not None:
+        _need(c, "layer_types", isinstance(types, list) and len(types) == n
+              and all(isinstance(t, str) and t in SLIDING_LAYER_TYPES for t in types),
+              f"a list of num_hidden_layers={n} entries 'full_attention' or 'sliding_attention'")
+    if mt in ("llama", "glm4_moe"):
+        _need(c, "use_sliding_window", not use, f"false ({ARCH[mt]} has no sliding-window attention)")
+        _need(c, "layer_types", not any(SLIDING_LAYER_TYPES[t] for t in types or []),
+              f"only 'full_attention' ({ARCH[mt]} has no sliding-window attention)")
+        return [0] * n
+    window = c.get("sliding_window", 4096) if use else (0 if mt == "qwen2_moe" else None)  # the class's own
+    if mt == "qwen3_moe":
+        sliding = [window is not None] * n
+        if types is not None:
+            _need(c, "layer_types", [SLIDING_LAYER_TYPES[t] for t in types] == sliding,
+                  f"only {'sliding_attention' if sliding[0] else 'full_attention'!r}, as use_sliding_window={use} "
+                  "gives (Qwen3MoeForCausalLM reads no layer_types: use_sliding_window windows every layer or none)")
+    elif types is not None:
+        sliding = [SLIDING_LAYER_TYPES[t] for t in types]
+    else:
+        mwl = c.get("max_window_layers", 28)
+        if window is not None and (mt == "qwen3" or use):
+            _need(c, "max_window_layers", isinstance(mwl, int) and not isinstance(mwl, bool),
+                  "an integer (the layers that slide come from it when config.json has no layer_types)", mwl)
+        sliding = _derived_layer_types(mt, mwl, use, n, window)
+    if mt == "qwen2_moe" and use:  # Qwen2MoeModel builds the sliding-window mask whether a layer uses it or not
+        _need(c, "sliding_window", window is not None, "an integer >= 1 (Qwen2MoeForCausalLM builds its sliding-window "
+              "mask whenever use_sliding_window is true)", window)
+    if not any(sliding):
+        return [0] * n
+    if not use:  # a sliding layer without a window: None (Qwen3) fails, 0 (Qwen2-MoE) attends to nothing
+        _need(c, "layer_types", False, f"only 'full_attention' where use_sliding_window=false ({ARCH[mt]}'s "
+              f"sliding_window is then {window}: transformers cannot run its 'sliding_attention' layers)")
+    _need(c, "sliding_window", isinstance(window, int) and not isinstance(window, bool) and window >= 1,
+          "an integer >= 1 (the sliding layers' window: the query and the sliding_window - 1 keys before it)", window)
+    return [window if s else 0 for s in sliding]
+
+
 def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """config.json -> (our model fields, EXTRA_KEYS found); HFConversionError on anything we cannot represent."""
     mt = c.get("model_type")
@@ -354,19 +502,16 @@ def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     bias_key = "qkv_bias" if mt == "qwen2_moe" else "attention_bias"
     bias = c.get(bias_key, default.get(bias_key, False))
     _need(c, bias_key, isinstance(bias, bool), "true or false", bias)
-    for key in ("attention_bias", "mlp_bias", "qkv_bias", "use_sliding_window"):
+    for key in ("attention_bias", "mlp_bias", "qkv_bias"):
         if key != bias_key:
             _need(c, key, not c.get(key, default.get(key, False)), "false", c.get(key, default.get(key)))
-    # Qwen3's and Qwen2-MoE's layers follow layer_types even without use_sliding_window (whose sliding_window is then
-    # None or 0: transformers fails on the first forward); moe-train attends to the whole prefix in every layer.
-    _need(c, "layer_types", all(t == "full_attention" for t in c.get("layer_types") or []),
-          "only 'full_attention' (moe-train has no sliding-window attention)")
+    windows = hf_layer_windows(c)
     _need(c, "head_dim", hd % 2 == 0, "an even number (RoPE rotates pairs of dims)", hd)
     m: dict[str, Any] = {
         "vocab_size": c["vocab_size"], "d_model": d, "num_layers": c["num_hidden_layers"], "num_heads": heads,
         "num_kv_heads": c.get("num_key_value_heads") or heads, "head_dim": None if hd * heads == d else hd,
         "attention_bias": bias, "rope_theta": float(rope["rope_theta"]), "rotary_fraction": float(prf),
-        "norm_eps": c.get("rms_norm_eps", default["rms_norm_eps"]),
+        "sliding_window_pattern": pattern_of(windows), "norm_eps": c.get("rms_norm_eps", default["rms_norm_eps"]),
         "dense_hidden": c["intermediate_size"], "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
         "init_std": c.get("initializer_range", 0.02),
         "qk_norm": mt in ("qwen3", "qwen3_moe") or (mt == "glm4_moe" and bool(c.get("use_qk_norm", False))),

@@ -59,7 +59,8 @@ def attention_bias_params(cfg: ModelConfig) -> int:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """Training FLOPs per token: 6 x active matmul parameters (the weights of attention, dense and expert
     MLPs at top-k, shared experts and their gates, routers and the lm head; not the input embedding, a lookup,
-    nor the norm weights and attention biases) + causal attention."""
+    nor the norm weights and attention biases) + causal attention (model.sliding_window_pattern's windows read
+    fewer keys)."""
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ConfigError(f"flops_per_token: seq_len={seq_len!r}: expected a positive integer")
     counts = count_params(cfg)
@@ -67,6 +68,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     matmul_params = counts.active - cfg.vocab_size * cfg.d_model - norm_params(cfg) - attention_bias_params(cfg)
     if cfg.tie_embeddings:
         matmul_params += cfg.vocab_size * cfg.d_model
-    # QK^T and AV: 2 matmuls x 2 flops x seq x heads*hd, halved by causality, x3 for fwd+bwd.
-    attention = 6 * cfg.num_layers * cfg.num_heads * cfg.resolved_head_dim * seq_len
-    return 6 * matmul_params + attention
+    # QK^T and AV: 2 matmuls x 2 flops x heads*hd x the keys a token reads, x3 for fwd+bwd. Causal: seq / 2 keys
+    # on average; a sliding window w < seq: w - w^2 / (2 seq) (min(position, w), averaged over the positions).
+    keys = sum(w - w * w / (2 * seq_len) if 0 < w < seq_len else seq_len / 2
+               for w in map(cfg.attention_window, range(cfg.num_layers)))
+    return 6 * matmul_params + round(12 * cfg.num_heads * cfg.resolved_head_dim * keys)

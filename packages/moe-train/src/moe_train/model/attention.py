@@ -1,6 +1,6 @@
 """Grouped-query causal self-attention through scaled_dot_product_attention, optional QK-norm, q/k/v biases,
-partial rotary and a document mask (train.document_masking: SDPA with an additive mask or FlexAttention with a block
-mask, model/document_mask.py)."""
+partial rotary and a mask (train.document_masking's documents, model.sliding_window_pattern's windows: SDPA with an
+additive mask or FlexAttention with a block mask, model/document_mask.py)."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
-        """x: [B, S, d] -> [B, S, d]. mask: None (causal), a BlockMask (document_block_mask: FlexAttention) or
-        [B, 1, S, S], causal already (document_attention_mask): bool, True where a query (row) may attend a key
+        """x: [B, S, d] -> [B, S, d]. mask: None (causal), a BlockMask (attention_block_mask: FlexAttention) or
+        [B or 1, 1, S, S], causal already (attention_mask): bool, True where a query (row) may attend a key
         (column), or additive (0 or -inf; attention_bias), cast to the query's dtype when it is another."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)

@@ -1,14 +1,19 @@
-"""The attention mask of train.document_masking, in the two forms attention takes it.
+"""The attention masks of train.document_masking and model.sliding_window_pattern, in the two forms attention
+takes them.
 
-A token attends to the earlier tokens of its own document; the data's eos_id ends each document and belongs to the
-document it ends. Two kernels (train.document_masking_kernel):
-- "sdpa": scaled_dot_product_attention with one additive [B, 1, S, S] mask (attention_bias of
-  document_attention_mask). It runs everywhere, but the kernel that takes a mask computes every (query, key) pair
-  and reads the mask: on a GPU, slower than the causal flash kernel (H100, fine-grained-e8: 13% fewer tokens/s).
-- "flex": FlexAttention (torch.compile'd) with a BlockMask built here from the document ids (document_block_mask):
-  key blocks of other documents are skipped, blocks wholly inside one document run without a mask, so shorter
-  documents cost less than the causal window. GPU only (torch has no FlexAttention backward on the CPU), for
-  bf16 / fp16 / fp32 and head dims 16-128 that are powers of two (flex_document_attention_runs).
+Document masking: a token attends to the earlier tokens of its own document; the data's eos_id ends each document
+and belongs to the document it ends. A sliding window w: a token attends to itself and the w - 1 tokens before it
+(Hugging Face's sliding_window). Both together: the keys both allow. Two kernels (train.document_masking_kernel,
+which serves every masked layer, windowed ones included):
+- "sdpa": scaled_dot_product_attention with one additive [B, 1, S, S] mask (attention_bias of attention_mask; [1,
+  1, S, S] for a window alone). It runs everywhere, but the kernel that takes a mask computes every (query, key)
+  pair and reads the mask: on a GPU, slower than the causal flash kernel (H100, fine-grained-e8, documents: 13%
+  fewer tokens/s).
+- "flex": FlexAttention (torch.compile'd) with a BlockMask built here from the document ids and the window
+  (attention_block_mask): key blocks of other documents or past the window are skipped, blocks wholly allowed run
+  without a mask, so shorter documents and windows cost less than the causal window. GPU only (torch has no
+  FlexAttention backward on the CPU), for bf16 / fp16 / fp32 and head dims 16-128 that are powers of two
+  (flex_document_attention_runs).
 "auto" (the default) takes "flex" where it runs and "sdpa" elsewhere.
 """
 
@@ -34,10 +39,22 @@ def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
 def document_attention_mask(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
     """tokens [B, S] -> [B, 1, S, S] bool: query i may attend key j when j <= i and both are in the same document.
     A window's first tokens are the tail of a document begun before it, its last the head of one that goes on."""
+    return attention_mask(tokens, eos_id)
+
+
+def attention_mask(tokens: torch.Tensor, eos_id: int | None, window: int = 0) -> torch.Tensor:
+    """tokens [B, S] -> bool, True where query i (row) may attend key j (column): j <= i, both in the same document
+    (eos_id; None = no document mask) and i - j < window (0 = no window). [B, 1, S, S]; [1, 1, S, S] without a
+    document mask (it is the same for every row)."""
+    s = tokens.shape[1]
+    position = torch.arange(s, device=tokens.device)
+    allowed = position.view(s, 1) >= position.view(1, s)
+    if window:
+        allowed = allowed & (position.view(s, 1) - position.view(1, s) < window)
+    if eos_id is None:
+        return allowed.view(1, 1, s, s)
     document = document_ids(tokens, eos_id)
-    same = document.unsqueeze(2) == document.unsqueeze(1)
-    causal = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool, device=tokens.device).tril()
-    return (same & causal).unsqueeze(1)
+    return ((document.unsqueeze(2) == document.unsqueeze(1)) & allowed).unsqueeze(1)
 
 
 def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -48,34 +65,61 @@ def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def document_block_mask(tokens: torch.Tensor, eos_id: int) -> BlockMask:
-    """tokens [B, S] -> the BlockMask of document_attention_mask for flex_attention (every head alike), built from
-    the blocks' first and last document ids, with no [B, S, S] tensor and no compile.
+    """tokens [B, S] -> the BlockMask of document_attention_mask for flex_attention (attention_block_mask)."""
+    return attention_block_mask(tokens, eos_id)
+
+
+def attention_block_mask(tokens: torch.Tensor, eos_id: int | None, window: int = 0) -> BlockMask:
+    """tokens [B, S] -> the BlockMask of attention_mask(tokens, eos_id, window) for flex_attention (every head
+    alike; batch 1 without a document mask), built from the blocks' first and last document ids and positions,
+    with no [B, S, S] tensor and no compile.
 
     Documents are numbered in order along a row, so for query block i and key block j (FLEX_BLOCK rows each):
-    - (i, j) holds some allowed pair when j == i (the diagonal: a token attends to itself) or when j < i and key
-      block j's last document is query block i's first;
-    - every pair of (i, j) is allowed (a "full" block, run without the mask) when j < i and key block j's first
-      document is query block i's last;
+    - (i, j) holds some allowed pair when j == i (the diagonal: a token attends to itself) or when j < i, key
+      block j's last document is query block i's first and its last key is within the window of query block i's
+      first query;
+    - every pair of (i, j) is allowed (a "full" block, run without the mask) when j < i, key block j's first
+      document is query block i's last and its first key is within the window of query block i's last query;
     - the others are skipped. The blocks that hold some allowed pair but not only those run with mask_mod."""
-    b, s = tokens.shape
-    document = document_ids(tokens, eos_id)
+    s = tokens.shape[1]
+    device = tokens.device
+    document = (document_ids(tokens, eos_id) if eos_id is not None
+                else torch.zeros(1, s, dtype=torch.int64, device=device))
+    b = document.shape[0]
     n = -(-s // FLEX_BLOCK)
-    starts = torch.arange(n, device=tokens.device) * FLEX_BLOCK
+    starts = torch.arange(n, device=device) * FLEX_BLOCK
     first = document[:, starts]  # [B, n]
     last = document[:, (starts + FLEX_BLOCK - 1).clamp(max=s - 1)]
-    q_block = torch.arange(n, device=tokens.device).view(n, 1)
-    below = torch.arange(n, device=tokens.device).view(1, n) < q_block  # [n (query), n (key)]
-    diagonal = torch.eye(n, dtype=torch.bool, device=tokens.device)
-    some = diagonal | (below & (last.unsqueeze(1) == first.unsqueeze(2)))  # [B, query block, key block]
-    full = below & (first.unsqueeze(1) == last.unsqueeze(2))
+    q_block = torch.arange(n, device=device).view(n, 1)
+    k_block = torch.arange(n, device=device).view(1, n)
+    below = k_block < q_block  # [n (query), n (key)]
+    some_near = full_near = below
+    if window:
+        # the nearest (query, key) pair of blocks j < i is (i * FLEX_BLOCK, j * FLEX_BLOCK + FLEX_BLOCK - 1), the
+        # farthest (block i's last query, the sequence's last in the last block, j * FLEX_BLOCK)
+        last_query = ((q_block + 1) * FLEX_BLOCK - 1).clamp(max=s - 1)
+        some_near = below & ((q_block - k_block - 1) * FLEX_BLOCK + 1 < window)
+        full_near = below & (last_query - k_block * FLEX_BLOCK < window)
+    diagonal = torch.eye(n, dtype=torch.bool, device=device)
+    some = diagonal | (some_near & (last.unsqueeze(1) == first.unsqueeze(2)))  # [B, query block, key block]
+    full = full_near & (first.unsqueeze(1) == last.unsqueeze(2))
     partial = some & ~full
     # the kernels call mask_mod on the last block's padding too (positions S .. n * FLEX_BLOCK - 1): the ids are
     # padded so that those reads stay in bounds (a padded key is later than every real query, so causality drops it)
-    padded = torch.full((b, n * FLEX_BLOCK), -1, dtype=torch.int32, device=tokens.device)
+    padded = torch.full((b, n * FLEX_BLOCK), -1, dtype=torch.int32, device=device)
     padded[:, :s] = document
+
+    def causal(b_idx, h_idx, q_idx, kv_idx):  # without documents a batch of 1 serves every row: b_idx is not read
+        return q_idx >= kv_idx
+
+    def causal_in_window(b_idx, h_idx, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
 
     def same_document_causal(b_idx, h_idx, q_idx, kv_idx):
         return (padded[b_idx, q_idx] == padded[b_idx, kv_idx]) & (q_idx >= kv_idx)
+
+    def same_document_in_window(b_idx, h_idx, q_idx, kv_idx):
+        return same_document_causal(b_idx, h_idx, q_idx, kv_idx) & (q_idx - kv_idx < window)
 
     def block_lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         count = blocks.sum(-1, dtype=torch.int32).unsqueeze(1)  # [B, 1 (every head), n]
@@ -84,8 +128,11 @@ def document_block_mask(tokens: torch.Tensor, eos_id: int) -> BlockMask:
 
     kv_num_blocks, kv_indices = block_lists(partial)
     full_num_blocks, full_indices = block_lists(full)
+    mask_mods = {(False, False): causal, (False, True): causal_in_window,  # (documents?, window?)
+                 (True, False): same_document_causal, (True, True): same_document_in_window}
     return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, full_num_blocks, full_indices,
-                                    BLOCK_SIZE=FLEX_BLOCK, mask_mod=same_document_causal, seq_lengths=(s, s))
+                                    BLOCK_SIZE=FLEX_BLOCK, seq_lengths=(s, s),
+                                    mask_mod=mask_mods[eos_id is not None, bool(window)])
 
 
 def flex_document_attention_runs(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:

@@ -18,7 +18,8 @@ from moe_train.config import (ACTIVATION_CHECKPOINTING, DOCUMENT_MASKING_KERNELS
                               validate_model)
 from moe_train.model.attention import Attention
 from moe_train.model.chunked_loss import IGNORED_TARGET, bad_targets, check_targets, chunked_head_losses
-from moe_train.model.document_mask import (attention_bias, document_attention_mask, document_block_mask,
+from moe_train.model.document_mask import (attention_bias, attention_block_mask, attention_mask,  # noqa: F401
+                                           document_attention_mask,  # the mask's old home: still importable here
                                            flex_document_attention_runs)
 from moe_train.model.layers import RMSNorm, SwiGLU, fp32_or_wider
 from moe_train.model.rope import rope_tables
@@ -212,8 +213,7 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         cos, sin = self._rope(tokens.shape[1], tokens.device, fp32_or_wider(x.dtype))
         aux = torch.zeros((), device=tokens.device, dtype=torch.float32)
-        mask = None if self.document_eos_id is None else self._document_mask(tokens, x.dtype)
-        for block in self.blocks:
+        for block, mask in zip(self.blocks, self._attention_masks(tokens, x.dtype), strict=True):
             x, a = block(x, cos, sin, mask)
             aux = aux + a
         return self.norm(x), aux
@@ -298,11 +298,12 @@ class Transformer(nn.Module):
         self.document_mask_kernel = kernel
 
     def document_masking_path(self, device: torch.device, dtype: torch.dtype) -> str | None:
-        """How a forward on device, computing attention in dtype (autocast's when it is on), applies the document
-        mask: "flex" or "sdpa" (set_document_masking's kernel, "auto" resolved); None without document masking.
-        Raises ConfigError (the CLI's one-line error, not a traceback) for kernel "flex" where FlexAttention does
-        not run."""
-        if self.document_eos_id is None:
+        """How a forward on device, computing attention in dtype (autocast's when it is on), applies its attention
+        masks (the document mask, set_document_masking, and model.sliding_window_pattern's windows): "flex" or
+        "sdpa" (set_document_masking's kernel, "auto" resolved); None when every layer is plainly causal. Raises
+        ConfigError (the CLI's one-line error, not a traceback) for kernel "flex" where FlexAttention does not
+        run."""
+        if self.document_eos_id is None and not any(self.cfg.sliding_window_pattern):
             return None
         head_dim = self.cfg.resolved_head_dim
         flex = flex_document_attention_runs(device, dtype, head_dim)
@@ -312,16 +313,30 @@ class Transformer(nn.Module):
                               f"and a head dim in 16-128 that is a power of two; use 'auto' or 'sdpa'")
         return "flex" if flex and self.document_mask_kernel != "sdpa" else "sdpa"
 
-    def _document_mask(self, tokens: torch.Tensor, dtype: torch.dtype):
-        """The document mask of this forward, shared by every layer: a BlockMask for FlexAttention or one additive
-        mask in the dtype attention computes in (SDPA made a float copy of a boolean one in each layer, which
-        backward kept: L x [B, 1, S, S] fp32 where this keeps one)."""
+    def _attention_masks(self, tokens: torch.Tensor, dtype: torch.dtype) -> list:
+        """Each layer's attention mask for this forward: None (causal: no document mask, and no window or one that
+        covers the whole sequence), a BlockMask for FlexAttention or an additive mask in the dtype attention computes
+        in (SDPA made a float copy of a boolean one in each layer, which backward kept). Layers with the same window
+        share one mask."""
+        s = tokens.shape[1]
+        windows = [w if w < s else 0 for w in map(self.cfg.attention_window, range(len(self.blocks)))]
+        if self.document_eos_id is None and not any(windows):
+            return [None] * len(windows)
         dev = tokens.device
         if torch.is_autocast_enabled(dev.type):
             dtype = torch.get_autocast_dtype(dev.type)
-        if self.document_masking_path(dev, dtype) == "flex":
-            return document_block_mask(tokens, self.document_eos_id)
-        return attention_bias(document_attention_mask(tokens, self.document_eos_id), dtype)
+        flex = self.document_masking_path(dev, dtype) == "flex"
+        masks: dict[int, object] = {}
+        for w in windows:
+            if w in masks:
+                continue
+            if self.document_eos_id is None and not w:
+                masks[w] = None
+            elif flex:
+                masks[w] = attention_block_mask(tokens, self.document_eos_id, w)
+            else:
+                masks[w] = attention_bias(attention_mask(tokens, self.document_eos_id, w), dtype)
+        return [masks[w] for w in windows]
 
     def set_compile(self, enabled: bool) -> None:
         """train.compile (set by the runtime): torch.compile each block's attention, its two norms and a dense

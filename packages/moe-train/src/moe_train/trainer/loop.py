@@ -88,7 +88,8 @@ class Trainer:
             self.first_eval_loss: float | None = None
             self.last_eval_loss: float | None = None
             self.autocast = self.device.type == "cuda" and t.autocast_bf16
-            if t.document_masking:  # a kernel that cannot run here is refused now, not at the first forward
+            if t.document_masking or cfg.model.sliding_window_pattern:  # a masked-attention kernel that cannot run
+                # here is refused now, not at the first forward
                 attention_dtype = torch.bfloat16 if self.autocast else next(self.model.parameters()).dtype
                 self.model.document_masking_path(self.device, attention_dtype)
             self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)

@@ -7,7 +7,8 @@ is), so the folder's tensor names are moe-train's state dict names.
 
     pre-norm blocks: x + attn(rms(x)), then x + mlp(rms(x)); RMSNorm in fp32
     attention: q/k/v (+ biases: attention_bias), per-head QK-norm before RoPE, rotate-half RoPE on the leading
-               rotary_fraction of each head, GQA, causal SDPA
+               rotary_fraction of each head, GQA, causal SDPA; layer i within its sliding window
+               (sliding_window_pattern[i % len]: the query and the w - 1 tokens before it; 0 or []: full)
     mlp: dense SwiGLU (dense model, or model.dense_layers), else MoE: fp32 router logits, softmax or sigmoid,
          selection by probs + expert_bias (selection only), top-k weights (renormalised: normalize_top_k) x
          routed_scaling_factor, SwiGLU experts summed in fp32, + shared expert (x sigmoid gate: shared_expert_gate)
@@ -51,6 +52,12 @@ def _own_dtype(t: torch.Tensor):
     if torch.amp.is_autocast_available(t.device.type):
         return torch.autocast(t.device.type, enabled=False)
     return contextlib.nullcontext()
+
+
+def layer_window(m: dict, index: int) -> int:
+    """Layer index's sliding window (sliding_window_pattern cycled; a dict without it: none); 0 = full causal."""
+    pattern = m.get("sliding_window_pattern") or []
+    return pattern[index % len(pattern)] if pattern else 0
 
 
 def _model_fields(config: MoeTrainConfig) -> dict:
@@ -250,6 +257,7 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(m["d_model"], m["norm_eps"])
         is_moe = m["num_experts"] > 0 and index not in m["dense_layers"]
         self.mlp = MoELayer(m) if is_moe else SwiGLU(m["d_model"], m["dense_hidden"])
+        self.window = layer_window(m, index)
 
     def forward(self, x, cos, sin, mask, cache):
         """-> (x, the MoE layer's router logits [B * S, E]; None in a dense block)."""
@@ -316,6 +324,17 @@ def _positions_and_mask(attention_mask, batch: int, seq: int, past: int, device)
     return positions, allowed[:, None]
 
 
+def _windowed(mask: torch.Tensor, past: int, window: int) -> torch.Tensor:
+    """mask [B, 1, S, past + S] with each query's keys cut to its sliding window: slot k of query slot q stays when
+    q - window < k <= q (itself and the window - 1 before it, Hugging Face's sliding_window); window 0: as it is.
+    A padding query keeps itself."""
+    if not window:
+        return mask
+    q_slot = torch.arange(past, past + mask.shape[-2], device=mask.device)
+    k_slot = torch.arange(mask.shape[-1], device=mask.device)
+    return mask & (k_slot[None, :] > q_slot[:, None] - window)
+
+
 class MoeTrainModel(MoeTrainPreTrainedModel):
     def __init__(self, config: MoeTrainConfig):
         super().__init__(config)
@@ -365,12 +384,13 @@ class MoeTrainModel(MoeTrainPreTrainedModel):
         if position_ids is not None:
             positions = position_ids.to(x.device).expand(b, s)
         cos, sin = rope_tables(positions, self.rotary_dim, self.rope_theta, _wide(x.dtype))
+        masks = {w: _windowed(mask, past, w) for w in {block.window for block in self.blocks}}
         states, router_logits = [x], []
         for block in self.blocks:
             if checkpointing:
-                x, logits = self._gradient_checkpointing_func(block.__call__, x, cos, sin, mask, None)
+                x, logits = self._gradient_checkpointing_func(block.__call__, x, cos, sin, masks[block.window], None)
             else:
-                x, logits = block(x, cos, sin, mask, cache)
+                x, logits = block(x, cos, sin, masks[block.window], cache)
             states.append(x)
             router_logits += [logits] if logits is not None else []
         x = states[-1] = self.norm(x)
