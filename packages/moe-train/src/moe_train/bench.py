@@ -37,7 +37,8 @@ def synthetic_steps(cfg: Config) -> tuple[Runtime, Callable[[int], float]]:
         doc = max(seq // 4, 1)
         for b in batches:
             b[:, doc::doc] = BENCH_EOS_ID
-        model.set_document_masking(BENCH_EOS_ID, t.document_masking_kernel)
+    # the kernel serves the windowed layers (model.sliding_window_pattern) too, with or without documents
+    model.set_document_masking(BENCH_EOS_ID if t.document_masking else None, t.document_masking_kernel)
 
     def one_step(i: int) -> float:
         for micro in range(t.grad_accum):

@@ -86,6 +86,13 @@ class ModelConfig:
     def is_moe_layer(self, index: int) -> bool:
         return self.num_experts > 0 and index not in self.dense_layers
 
+    def __setstate__(self, state: dict) -> None:
+        """A config pickled before sliding_window_pattern existed (a Transformer saved with torch.save or pickle
+        before 0.26.0) gets its default: a default_factory field has no class attribute to fall back on, so its
+        first forward failed with AttributeError. [] is what its writer computed (full attention)."""
+        self.__dict__.update(state)
+        self.__dict__.setdefault("sliding_window_pattern", [])
+
 
 @dataclass
 class DataConfig:

@@ -77,8 +77,10 @@ class Trainer:
                 warn_about_settings(cfg, self.device, one_process=isinstance(rt, LocalRuntime))
             torch.manual_seed(t.seed)
             self.model = rt.setup(Transformer(cfg.model, device="meta"))  # each rank allocates only its slice
-            if t.document_masking:  # the data's end-of-document id, which the config does not know
-                self.model.set_document_masking(self.meta["eos_id"], t.document_masking_kernel)
+            # the data's end-of-document id, which the config does not know; the kernel serves the windowed layers
+            # (model.sliding_window_pattern) too, with or without document masking
+            self.model.set_document_masking(self.meta["eos_id"] if t.document_masking else None,
+                                            t.document_masking_kernel)
             self.run_dir = Path(t.run_dir)
             self.init_source: Path | None = None  # train.init_from's checkpoint, on a run that starts at step 0
             self.step = 0

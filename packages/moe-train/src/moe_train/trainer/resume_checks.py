@@ -37,8 +37,8 @@ MOE_ONLY_FIELDS = tuple(f"model.{name}" for name in EXPERT_ONLY_FIELDS)
 
 def _network(model: dict[str, Any]) -> dict[str, Any]:
     """Flat model fields as the network they give: head_dim null is d_model // num_heads, dense_layers a
-    set (order and repeats do not change which layers are dense), and a dense model (num_experts 0) without the
-    fields only MoE layers read (an HF round trip resets them)."""
+    set (order and repeats do not change which layers are dense), sliding_window_pattern its layers' windows, and a
+    dense model (num_experts 0) without the fields only MoE layers read (an HF round trip resets them)."""
     out = dict(model)
     if out.get("model.num_experts") == 0:
         out = {k: v for k, v in out.items() if k not in MOE_ONLY_FIELDS and not k.startswith("model.router.")}
@@ -48,6 +48,14 @@ def _network(model: dict[str, Any]) -> dict[str, Any]:
     dense = out.get("model.dense_layers")
     if isinstance(dense, list) and all(isinstance(i, int) for i in dense):
         out["model.dense_layers"] = sorted(set(dense))
+    # sliding_window_pattern as the shortest cycle of the windows its layers get: [8, 0] and [8, 0, 8, 0] on 4 layers
+    # (import-hf writes the former), [] and [0], are one network
+    pattern, layers = out.get("model.sliding_window_pattern"), out.get("model.num_layers")
+    if (isinstance(pattern, list) and all(isinstance(w, int) for w in pattern) and isinstance(layers, int)
+            and layers > 0):
+        windows = [pattern[i % len(pattern)] if pattern else 0 for i in range(layers)]
+        period = next(p for p in range(1, layers + 1) if all(w == windows[i % p] for i, w in enumerate(windows)))
+        out["model.sliding_window_pattern"] = windows[:period] if any(windows) else []
     return out
 
 
