@@ -26,6 +26,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 import layout_resume_worker as lw  # noqa: E402
 import qa145_worker as w  # noqa: E402
 import test_parallel_harness as h  # noqa: E402
+from hf_logits_helpers import hf_home  # noqa: E402,F401 - fixture
+
+# transformers' caches in a temporary folder: a custom-code load under the home folder left transformers_modules
+# bound to it (and on sys.path), and a later module's custom-code folder was then not found (test_qa86 failed)
+pytestmark = pytest.mark.usefixtures("hf_home")
 
 from moe_train.config import ModelConfig, RouterConfig  # noqa: E402
 from moe_train.trainer.runtime import LocalRuntime  # noqa: E402
