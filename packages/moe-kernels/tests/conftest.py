@@ -1,5 +1,6 @@
 """Shared test helpers for moe-kernels."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -26,7 +27,9 @@ def run_under_interpreter():
 
 
 @pytest.fixture(scope="module")
-def interpreter_verdicts(request):
+def interpreter_verdicts(request, tmp_path_factory):
     """The verdicts of the requesting test file's interpreter checks: the file run once as a script under
-    Triton's CPU interpreter (`interpreter_checks.run_checks` in its `__main__`)."""
-    return interpreter_checks.verdicts_of(request.module.__file__)
+    Triton's CPU interpreter (`interpreter_checks.run_checks` in its `__main__`), once per session under
+    pytest-xdist too (the workers share their temporary folder's parent)."""
+    shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else None
+    return interpreter_checks.verdicts_once(request.module.__file__, shared)

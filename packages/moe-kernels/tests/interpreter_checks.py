@@ -12,6 +12,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 
 def run_as_script(test_file: str, timeout: float = 300) -> str:
@@ -25,6 +26,29 @@ def run_as_script(test_file: str, timeout: float = 300) -> str:
 def verdicts_of(test_file: str) -> dict[str, dict]:
     """{check name: {"verdict": "ok" or the traceback's tail, "seconds": ...}} of test_file run as a script."""
     return json.loads(run_as_script(test_file).strip().splitlines()[-1])
+
+
+def verdicts_once(test_file: str, shared_dir: Path | None) -> dict[str, dict]:
+    """verdicts_of(test_file), run once per session even when pytest-xdist splits the file's tests over workers
+    (each worker builds module fixtures for itself, and these scripts are the slowest part of the suite): the first
+    worker to ask runs the script and leaves its verdicts in shared_dir, under a lock the other waits on. shared_dir
+    None (one process): just verdicts_of."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system: each worker runs the script
+        shared_dir = None
+    if shared_dir is None:
+        return verdicts_of(test_file)
+    done = shared_dir / f"{Path(test_file).stem}.verdicts.json"
+    with open(shared_dir / f"{Path(test_file).stem}.verdicts.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if done.exists():
+            return json.loads(done.read_text())
+        verdicts = verdicts_of(test_file)  # a failed script raises here, and the next worker to ask runs it again
+        partial = done.with_suffix(".partial")
+        partial.write_text(json.dumps(verdicts))
+        partial.replace(done)
+        return verdicts
 
 
 def run_checks(checks: dict[str, Callable], *args) -> None:
