@@ -319,3 +319,18 @@ def test_import_replaces_the_base_configs_pattern(tmp_path):
     base = validate(Config(model=ModelConfig(sliding_window_pattern=[8, 0])))
     cfg, _ = import_hf(tmp_path / "hf", base=base)
     assert cfg.model.sliding_window_pattern == []
+
+
+def test_inspect_shows_the_pattern_import_hf_wrote(tmp_path, capsys):
+    """`moe-train import-hf` then `moe-train inspect` on its output: the network line names the windows, since a
+    windowed and a full-attention model of one shape hold the same tensors."""
+    from moe_train import cli
+
+    model = make_model(STOCK["qwen3_window_5_olmo3_shape"][0])
+    export_hf(model, tmp_path / "hf", dtype="fp32")
+    assert cli.main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0
+    capsys.readouterr()
+    assert cli.main(["inspect", str(tmp_path / "imported")]) == 0
+    network = capsys.readouterr().out.splitlines()[1]
+    assert network == ("network: num_layers=4, d_model=32, num_experts=0, vocab_size=97, "
+                       "sliding_window_pattern=[5, 5, 5, 0]"), network

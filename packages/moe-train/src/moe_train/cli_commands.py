@@ -212,7 +212,8 @@ def _format_model_folder(folder: Path) -> str:
             tensors = {name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape())) for name in f.keys()}
     except (OSError, ValueError, SafetensorError) as e:  # json's and safetensors' errors name no file
         raise CheckpointError(f"{str(folder)!r}: its config.json or model.safetensors cannot be read ({e})") from None
-    network = ", ".join(f"{k}={model[k]}" for k in ("num_layers", "d_model", "num_experts", "vocab_size") if k in model)
+    shown = ("num_layers", "d_model", "num_experts", "vocab_size", "sliding_window_pattern")
+    network = ", ".join(f"{k}={model[k]}" for k in shown if model.get(k) not in (None, []))
     lines = [f"model folder {folder}: {len(tensors)} tensors, "
              f"{(folder / 'model.safetensors').stat().st_size / 1e9:.3f} GB (model.safetensors + config.json, as "
              "import-hf writes; export-hf and train.init_from read it)",

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_ckpt import load_metadata, step_of
+from moe_ckpt.hf.spec import pattern_of
 from moe_train.config import EXPERT_ONLY_FIELDS, Config, ConfigError, ModelConfig
 from moe_train.data.token_file import identity_text
 from moe_train.trainer.checkpoint import checkpoint_root, entries_after_step
@@ -53,9 +54,8 @@ def _network(model: dict[str, Any]) -> dict[str, Any]:
     pattern, layers = out.get("model.sliding_window_pattern"), out.get("model.num_layers")
     if (isinstance(pattern, list) and all(isinstance(w, int) for w in pattern) and isinstance(layers, int)
             and layers > 0):
-        windows = [pattern[i % len(pattern)] if pattern else 0 for i in range(layers)]
-        period = next(p for p in range(1, layers + 1) if all(w == windows[i % p] for i, w in enumerate(windows)))
-        out["model.sliding_window_pattern"] = windows[:period] if any(windows) else []
+        out["model.sliding_window_pattern"] = pattern_of([pattern[i % len(pattern)] if pattern else 0
+                                                          for i in range(layers)])
     return out
 
 
