@@ -114,7 +114,7 @@ def cli_errors(text: str) -> list[str]:
 
 
 # flags of other scripts a README shows, and an option shown as refused
-NOT_MOE_TRAIN_FLAGS = {"--nproc-per-node", "--repeated-long-words", "--pre"}
+NOT_MOE_TRAIN_FLAGS = {"--nproc-per-node", "--repeated-long-words", "--pre", "--dist"}  # other programs' flags
 
 
 def flag_errors(text: str) -> list[str]:
