@@ -4,10 +4,12 @@ A rank that raises in the middle of a step (its forward, its backward, its batch
 collective the failed rank will never join. They stop when its process group is closed, with the backend's error
 (gloo: "Connection closed by peer"), which names neither the rank nor the cause; and rank 0's error is the one
 metrics.jsonl records. So a rank whose run ends by an exception first writes that exception to the process
-group's key-value store (the launcher's rendezvous, hosted by rank 0), then closes its groups; a rank whose
-collective then fails reads the store and raises a TrainingError naming the rank and its error, the backend's
-error as its cause. Best effort: no store (one process, a group of the caller's without one), a store that
-is gone, or no record (a rank killed outright) leave the error as it was.
+group's key-value store (the launcher's rendezvous), then closes its groups; a rank whose collective then fails
+reads the store and raises a TrainingError naming the rank and its error, the backend's error as its cause.
+Under torchrun the store is its agent's and outlives every rank; launched without it, rank 0 hosts the store, and
+a record rank 0 wrote goes with its process (a peer that reads after rank 0 has exited finds nothing). Best
+effort: no store (one process, a group of the caller's without one), a store that is gone, or no record (a rank
+killed outright) leave the error as it was.
 """
 
 from __future__ import annotations
