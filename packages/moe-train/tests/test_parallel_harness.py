@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed import TCPStore
 
 from moe_train.config import Config, DataConfig, ModelConfig, RouterConfig, TrainConfig
 from moe_train.data import WindowSampler
@@ -155,11 +156,18 @@ def release_process_groups() -> None:
     gc.collect()  # a group freed here has its threads joined while the interpreter is whole
 
 
-def spawn_jobs(worker, world: int, jobs: list, out_dir: Path) -> list[dict]:  # noqa: ANN001
-    """worker(rank, world, ports, jobs, out_dir) on `world` ranks, one free port per job; every rank's results."""
+def spawn_jobs(worker, world: int, jobs: list, out_dir: Path,  # noqa: ANN001
+               host_stores: list[bool] | None = None) -> list[dict]:
+    """worker(rank, world, ports, jobs, out_dir) on `world` ranks, one free port per job; every rank's results.
+    host_stores[i]: this process hosts job i's TCPStore on its port while the ranks run, as torchrun's agent hosts
+    its rendezvous store (every rank a client, the store outliving them all); the worker connects to it as a
+    client. Otherwise the worker's rank 0 hosts it."""
     out_dir.mkdir(parents=True, exist_ok=True)
     ports = [free_port() for _ in jobs]
+    hosted = [TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False)
+              for port, host in zip(ports, host_stores or [False] * len(jobs)) if host]
     start_ranks(worker, args=(world, ports, jobs, str(out_dir)), nprocs=world)
+    del hosted
     return load_results(out_dir, world)
 
 

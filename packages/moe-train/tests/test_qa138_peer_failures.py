@@ -37,7 +37,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from torch.distributed import TCPStore
 
 from moe_train.trainer.peer_failure import failed_collective
 
@@ -69,14 +68,7 @@ def runs(tmp_path_factory):
     for key, over in JOBS.items():
         (root / key).mkdir()
         jobs.append(w.Job(str(root / key / "run"), str(data), 3, **over))
-    ports = [h.free_port() for _ in jobs]
-    # the agent's stores (torchrun's agent hosts its rendezvous store the same way: every rank a client)
-    stores = [TCPStore("127.0.0.1", port, 3, is_master=True, wait_for_workers=False)
-              for port, job in zip(ports, jobs) if job.agent_store]
-    (root / "out").mkdir()
-    h.start_ranks(w.worker, args=(3, ports, jobs, str(root / "out")), nprocs=3)
-    del stores
-    results = h.load_results(root / "out", 3)
+    results = h.spawn_jobs(w.worker, 3, jobs, root / "out", host_stores=[job.agent_store for job in jobs])
     return {key: [results[r][job.run_dir] for r in range(3)] for key, job in zip(JOBS, jobs)}
 
 
