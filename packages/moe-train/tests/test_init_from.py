@@ -1,6 +1,7 @@
 """train.init_from: a run that starts at step 0 takes its weights from a run folder, a checkpoint folder (any
 layout wrote it) or an import-hf output; optimizer state, step and data order start fresh; a resumed run never reads
-it again; a source of another model, a missing one, or one holding NaN is refused naming train.init_from."""
+it again; a source of another model, a missing one, or one holding NaN is refused naming train.init_from; another
+rope_theta or other windows are taken with a warning."""
 
 from __future__ import annotations
 
@@ -97,6 +98,40 @@ def test_a_source_of_another_model_is_refused_naming_the_fields(source, tmp_path
     with pytest.raises(ConfigError, match=r"train.init_from=.* holds the weights of another model \(model.expert_hidden: "
                                           r"checkpoint 16, this run 24; model.num_layers: checkpoint 2, this run 3\)"):
         Trainer(cfg).train()
+
+
+def test_a_run_may_read_the_weights_with_another_rope_theta_and_other_windows(source, tmp_path, data_dir):
+    """A long-context stage starts from a run's weights with a larger rope_theta and windows in its layers: the
+    weights are taken as they are, with one warning naming both fields; its own resume then keeps its settings."""
+    src, weights = source
+    cfg = w.config(tmp_path / "b", str(data_dir), str(src))
+    cfg.model.rope_theta, cfg.model.sliding_window_pattern = 500_000.0, [3, 0]
+    trainer = Trainer(cfg)
+    seen = w.before_first_step(trainer)
+    with pytest.warns(UserWarning) as caught:
+        trainer.train()
+    reach = [str(x.message) for x in caught if "attention settings" in str(x.message)]
+    assert reach == [f"train.init_from={str(src / 'checkpoints' / 'step-00000003')!r}: this run reads its weights "
+                     "with other attention settings than they were trained with (model.rope_theta: checkpoint "
+                     "10000.0, this run 500000.0; model.sliding_window_pattern: checkpoint [], this run [3, 0])"]
+    check_starts_from(trainer, seen, weights)
+    resumed = w.config(tmp_path / "b", str(data_dir), str(src), steps=3)
+    resumed.model.rope_theta, resumed.model.sliding_window_pattern = 500_000.0, [3, 0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a resume reads its own checkpoint: nothing to warn about
+        assert Trainer(resumed).train()["step"] == 3
+    resumed.model.sliding_window_pattern = []  # a resume may not change them
+    with pytest.raises(ConfigError, match=r"was written for another configuration \(model.sliding_window_pattern: "
+                                          r"checkpoint \[3, 0\], this run \[\]\)"):
+        Trainer(resumed).train()
+
+
+def test_a_source_trained_with_the_same_reach_gives_no_warning(source, tmp_path, data_dir):
+    src, _ = source
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(w.config(tmp_path / "b", str(data_dir), str(src))).train()
+    assert not [x for x in caught if "attention settings" in str(x.message)]
 
 
 @pytest.mark.parametrize("given,message", [

@@ -6,6 +6,10 @@ persistent buffers (the routers' expert bias) come from it: fp32 masters where t
 bf16-resident run's weights come back at full precision. Everything else starts fresh, as it does from a random
 init: AdamW moments and step counts, the step, the data order, the RNG. A run that resumes its own checkpoint
 never reads the source again (its weights are in that checkpoint).
+
+The source must hold this run's network (resume_checks.model_differences), except for how far attention reads:
+model.rope_theta and model.sliding_window_pattern may differ, as in a long-context stage, with a warning that names
+them. A resume of that run then keeps its own values.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from moe_train.trainer.runtime import CheckpointShard, Runtime, Slice
 
 def check_init_source(cfg: Config) -> Path:
     """The checkpoint train.init_from names, checked before the run starts (its files are read only when the
-    weights are loaded): a layout we read, and weights of this run's network."""
+    weights are loaded): a layout we read, and weights of this run's network (rope_theta and the windows may differ:
+    warn_if_another_attention_reach)."""
     # hf_bridge imports the trainer's checkpoint module: imported here, not at the top
     from moe_train.hf_bridge import hugging_face_model_type, stored_config
 
@@ -45,12 +50,25 @@ def check_init_source(cfg: Config) -> Path:
                               f"{model_type!r}), not ours: convert it first with `moe-train import-hf {given} OUT`, "
                               "then train.init_from=OUT (and --config OUT/config.json for its model settings)") from None
         raise ConfigError(f"train.init_from={given!r}: {e}") from None
-    diffs = resume_checks.model_differences(stored.to_dict()["model"], cfg)
+    diffs = [d for d in resume_checks.model_differences(stored.to_dict()["model"], cfg)
+             if d.split(":")[0] not in resume_checks.ATTENTION_REACH_FIELDS]
     if diffs:
         raise ConfigError(f"train.init_from={given!r} ({path}) holds the weights of another model ({'; '.join(diffs)}); "
                           "give this run the checkpoint's model settings (an import-hf output's config.json works as "
                           "--config)")
     return path
+
+
+def warn_if_another_attention_reach(source: Path, cfg: Config) -> None:
+    """A run may read the source's weights with another rope_theta or other windows (a long-context stage does, on
+    purpose); say so once, naming each, so that a change made by mistake does not pass unseen."""
+    from moe_train.hf_bridge import stored_config
+
+    changed = [d for d in resume_checks.model_differences(stored_config(source).to_dict()["model"], cfg)
+               if d.split(":")[0] in resume_checks.ATTENTION_REACH_FIELDS]
+    if changed:
+        warnings.warn(f"train.init_from={str(source)!r}: this run reads its weights with other attention settings "
+                      f"than they were trained with ({'; '.join(changed)})", stacklevel=2)
 
 
 def warn_if_another_tokenizer(source: Path, data_dir: Path, data_tokenizer: str) -> None:

@@ -31,7 +31,8 @@ from moe_train.trainer.launch import make_runtime, pick_device
 from moe_train.trainer.schedule import schedule_change, train_lr_at
 from moe_train.trainer.errors import TrainingError
 from moe_train.trainer.evaluation import mean_eval_loss
-from moe_train.trainer.init_from import load_initial_weights, warn_if_another_tokenizer
+from moe_train.trainer.init_from import (load_initial_weights, warn_if_another_attention_reach,
+                                         warn_if_another_tokenizer)
 from moe_train.trainer.rank0_checks import checked_on_rank0
 from moe_train.trainer.resume_point import find_resume_point
 from moe_train.trainer.start_warnings import warn_about_settings
@@ -375,6 +376,7 @@ class Trainer:
                 load_initial_weights(init_from, rt, self.model)
                 if self.is_main:
                     warn_if_another_tokenizer(init_from, self.data_dir, self.meta.get("tokenizer", "tokenizer.json"))
+                    warn_if_another_attention_reach(init_from, self.cfg)
                 if self.is_main and t.progress:
                     print(f"initialised from {init_from}", flush=True)
             # step records this run writes again: past the checkpoint (from a run that died after

@@ -76,9 +76,15 @@ def _top_1_renormalisation_dropped(saved: dict[str, Any], want: dict[str, Any]) 
     return {key} if top_1 and saved.get(key) is True and want.get(key) is False else set()
 
 
+# Model fields a new run that starts from another run's weights (train.init_from) may change, and a resume may not:
+# how far and at which frequencies attention reads, not which tensors exist or what they hold. A long-context stage
+# raises rope_theta, or adds or drops windows; the weights then meet positions they were not trained on.
+ATTENTION_REACH_FIELDS = frozenset({"model.rope_theta", "model.sliding_window_pattern"})
+
+
 def model_differences(saved: dict[str, Any], cfg: Config) -> list[str]:
     """The network fields where a checkpoint's model section (`saved`) and cfg's differ, one "field: checkpoint
-    X, this run Y" each; training-only fields may differ."""
+    X, this run Y" each, sorted by field; training-only fields may differ."""
     saved_model, want_model = _flat(saved, "model."), _flat(cfg.to_dict()["model"], "model.")
     defaults = _flat(dataclasses.asdict(ModelConfig()), "model.") if saved_model else {}
     saved_net = _network({**{k: v for k, v in defaults.items() if k in want_model}, **saved_model})
