@@ -18,7 +18,7 @@ import pytest
 
 from moe_ckpt.hf import HFConversionError, choose_model_type, from_hf_config, to_hf_config
 from moe_ckpt.hf.custom_code import from_custom_config, to_custom_config
-from moe_ckpt.hf.spec import hf_layer_windows, layer_windows, pattern_of
+from moe_ckpt.hf.windows import hf_layer_windows, layer_windows, pattern_of
 
 ROUTER = dict(gating="softmax", top_k=2, normalize_top_k=True, routing="learned", lb_loss_weight=0.01,
               lb_loss_scope="micro_batch", z_loss_weight=0.001, expert_bias=False, expert_bias_rate=0.001,

@@ -114,7 +114,7 @@ def test_other_windows_are_still_refused_naming_the_field(saved, run):
 def test_init_from_an_import_hf_pattern_of_the_same_windows_is_taken(tmp_path):
     """export-hf then import-hf writes the shortest cycle ([8, 0] for [8, 0, 8, 0]): the run's own config must take
     those weights as its network's."""
-    from moe_ckpt.hf.spec import layer_windows, pattern_of
+    from moe_ckpt.hf.windows import layer_windows, pattern_of
 
     run = _this_run([8, 0, 8, 0])
     imported = pattern_of(layer_windows(dataclasses.asdict(run.model)))

@@ -15,8 +15,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from moe_ckpt.hf.refusals import HFConversionError
 from moe_ckpt.hf.spec import (
-    CUSTOM_ARCH, CUSTOM_MODEL_TYPE, DEFAULT_EXTRA, DTYPES, EXTRA_KEYS, MAPPED_FIELDS, ROUTER_FIELDS, HFConversionError,
+    CUSTOM_ARCH, CUSTOM_MODEL_TYPE, DEFAULT_EXTRA, DTYPES, EXTRA_KEYS, MAPPED_FIELDS, ROUTER_FIELDS,
     check_custom_code_model, check_known_fields, checked_extra, head_dim,
 )
 

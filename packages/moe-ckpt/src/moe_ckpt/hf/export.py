@@ -24,9 +24,8 @@ from moe_ckpt.hf.custom_code import REMOTE_CODE_FILES, to_custom_config, write_r
 from moe_ckpt.hf.folder_swap import write_folder_whole
 from moe_ckpt.hf.layout import Entry, build_plan, to_hf
 from moe_ckpt.hf.load import read_json_object
-from moe_ckpt.hf.spec import (
-    ARCH, CUSTOM_ARCH, CUSTOM_MODEL_TYPE, DTYPES, HFConversionError, choose_model_type, to_hf_config,
-)
+from moe_ckpt.hf.refusals import ARCH, HFConversionError
+from moe_ckpt.hf.spec import CUSTOM_ARCH, CUSTOM_MODEL_TYPE, DTYPES, choose_model_type, to_hf_config
 
 TensorSource = Union[Mapping[str, torch.Tensor], Callable[[str], torch.Tensor]]
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from moe_ckpt.hf.spec import HFConversionError
+from moe_ckpt.hf.refusals import HFConversionError
 
 T = TypeVar("T")
 

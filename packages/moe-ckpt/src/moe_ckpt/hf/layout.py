@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from moe_ckpt.hf.refusals import HFConversionError
 from moe_ckpt.hf.spec import (
-    CUSTOM_MODEL_TYPE, NO_SHARED_EXPERT_GATE_KEY, HFConversionError, attention_bias, has_output_bias, head_dim,
-    shared_expert_gate,
+    CUSTOM_MODEL_TYPE, NO_SHARED_EXPERT_GATE_KEY, attention_bias, has_output_bias, head_dim, shared_expert_gate,
 )
 
 Shape = tuple[int, ...]

@@ -20,9 +20,8 @@ from safetensors import safe_open
 
 from moe_ckpt.hf.custom_code import from_custom_config
 from moe_ckpt.hf.layout import Entry, build_plan, from_hf
-from moe_ckpt.hf.spec import (
-    ARCH, CUSTOM_ARCH, CUSTOM_MODEL_TYPE, HFConversionError, from_hf_config, head_dim, mtp_layers,
-)
+from moe_ckpt.hf.refusals import ARCH, HFConversionError
+from moe_ckpt.hf.spec import CUSTOM_ARCH, CUSTOM_MODEL_TYPE, from_hf_config, head_dim, mtp_layers
 
 
 @dataclass

@@ -37,6 +37,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from moe_ckpt.hf.refusals import ARCH, CUSTOM_CODE_REMEDY, HFConversionError, need, refuse
+from moe_ckpt.hf.windows import check_windows, hf_layer_windows, layer_windows, pattern_of, window_keys
+
 # HF config keys we carry through unchanged (not part of the function the model computes).
 EXTRA_KEYS = ("max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
 DEFAULT_EXTRA: dict[str, Any] = {"max_position_embeddings": 4096}
@@ -51,31 +54,10 @@ NO_EXPERT_BIAS_KEY = "moe_train_expert_bias"
 # key (transformers' own folders, Qwen1.5-MoE, Qwen2-57B-A14B) the gate imports learned.
 NO_SHARED_EXPERT_GATE_KEY = "moe_train_shared_expert_gate"
 
-ARCH = {
-    "llama": "LlamaForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "glm4_moe": "Glm4MoeForCausalLM",
-}
-
-
-class HFConversionError(ValueError):
-    """A model, config.json or tensor cannot be converted exactly; the message names it and what was expected."""
-
-
 # A model type of our own: the folder ships moe-train's model as transformers custom code (remote_code/), loaded
 # with trust_remote_code=True. Chosen only when asked for (custom_code=True): it computes every valid model.
 CUSTOM_MODEL_TYPE = "moe_train"
 CUSTOM_ARCH = "MoeTrainForCausalLM"
-CUSTOM_CODE_REMEDY = ("or export it as custom code, which computes it exactly: custom_code=True (moe-train export-hf "
-                      "--custom-code), loaded with transformers' trust_remote_code=True")
-
-
-def _refuse(feature: str, nearest: str) -> HFConversionError:
-    return HFConversionError(f"{feature}: no stock transformers class computes this exactly; nearest that exports: "
-                             f"{nearest}; {CUSTOM_CODE_REMEDY}")
-
 
 # Every field of moe-train's model config, by what the export does with it. A field not listed (one added
 # since) is refused: the export cannot tell whether the folder would have to compute it.
@@ -111,7 +93,7 @@ def choose_model_type(m: dict[str, Any], allow_benchmark_routing: bool = False, 
         return CUSTOM_MODEL_TYPE
     if m["num_experts"] == 0:
         if rotary_fraction(m) != 1.0:
-            raise _refuse(f"rotary_fraction={m['rotary_fraction']!r} in a dense model (LlamaForCausalLM and "
+            raise refuse(f"rotary_fraction={m['rotary_fraction']!r} in a dense model (LlamaForCausalLM and "
                           "Qwen3ForCausalLM rotate the whole head)", "rotary_fraction=1.0")
         if not m["qk_norm"] and m["d_model"] % m["num_heads"]:  # transformers 5's LlamaConfig refuses it on load
             raise HFConversionError(
@@ -120,10 +102,10 @@ def choose_model_type(m: dict[str, Any], allow_benchmark_routing: bool = False, 
                 "(head_dim notwithstanding), so transformers could not load the folder; nearest that exports: "
                 f"qk_norm=True (Qwen3ForCausalLM) or num_heads dividing d_model; {CUSTOM_CODE_REMEDY}")
         model_type = "qwen3" if m["qk_norm"] else "llama"
-        _check_windows(m, model_type)
+        check_windows(m, model_type)
         return model_type
     model_type = _moe_model_type(m)
-    _check_windows(m, model_type)
+    check_windows(m, model_type)
     # After the architecture checks: allowing benchmark routing would not make a refused model export.
     _check_routing(m, allow_benchmark_routing)
     return model_type
@@ -165,115 +147,36 @@ def _moe_model_type(m: dict[str, Any]) -> str:
     if r["gating"] == "sigmoid":
         dense = sorted(set(m["dense_layers"]))
         if dense != list(range(len(dense))):
-            raise _refuse(f"dense_layers={m['dense_layers']} with sigmoid gating (GLM-4-MoE only has leading dense "
+            raise refuse(f"dense_layers={m['dense_layers']} with sigmoid gating (GLM-4-MoE only has leading dense "
                           "layers, first_k_dense_replace)", f"dense_layers={list(range(len(dense)))}")
         if m["shared_expert_hidden"] % m["expert_hidden"]:
-            raise _refuse(f"shared_expert_hidden={m['shared_expert_hidden']} with sigmoid gating (GLM-4-MoE's shared "
+            raise refuse(f"shared_expert_hidden={m['shared_expert_hidden']} with sigmoid gating (GLM-4-MoE's shared "
                           f"expert is n_shared_experts x expert_hidden={m['expert_hidden']})",
                           "a multiple of expert_hidden")
         if m["num_experts"] < 2:
-            raise _refuse(f"num_experts={m['num_experts']} with sigmoid gating", "num_experts >= 2")
+            raise refuse(f"num_experts={m['num_experts']} with sigmoid gating", "num_experts >= 2")
         if shared_expert_gate(m):
-            raise _refuse("shared_expert_gate=True with sigmoid gating (GLM-4-MoE's shared experts are not gated)",
+            raise refuse("shared_expert_gate=True with sigmoid gating (GLM-4-MoE's shared experts are not gated)",
                           "router.gating='softmax' with qk_norm=False (Qwen2MoeForCausalLM) or "
                           "shared_expert_gate=False")
         return "glm4_moe"
     if r["gating"] != "softmax":
         raise HFConversionError(f"router.gating={r['gating']!r}: expected 'softmax' or 'sigmoid'")
     if routed_scaling_factor(r) != 1.0:
-        raise _refuse(f"router.routed_scaling_factor={r['routed_scaling_factor']!r} with softmax gating (Qwen2-MoE and "
+        raise refuse(f"router.routed_scaling_factor={r['routed_scaling_factor']!r} with softmax gating (Qwen2-MoE and "
                       "Qwen3-MoE do not scale the routing weights)",
                       "router.gating='sigmoid' (Glm4MoeForCausalLM) or router.routed_scaling_factor=1.0")
     if rotary_fraction(m) != 1.0:
-        raise _refuse(f"rotary_fraction={m['rotary_fraction']!r} with softmax gating (Qwen2-MoE and Qwen3-MoE rotate "
+        raise refuse(f"rotary_fraction={m['rotary_fraction']!r} with softmax gating (Qwen2-MoE and Qwen3-MoE rotate "
                       "the whole head)", "router.gating='sigmoid' (Glm4MoeForCausalLM) or rotary_fraction=1.0")
     if r["expert_bias"]:
-        raise _refuse("router.expert_bias=True with softmax gating (a selection-only bias over softmax probabilities)",
+        raise refuse("router.expert_bias=True with softmax gating (a selection-only bias over softmax probabilities)",
                       "router.gating='sigmoid' (Glm4MoeForCausalLM) or router.expert_bias=False")
     if m["qk_norm"] and m["shared_expert_hidden"] > 0:
-        raise _refuse("softmax gating + shared expert + per-head qk_norm (Qwen3-MoE has no shared expert, Qwen2-MoE "
+        raise refuse("softmax gating + shared expert + per-head qk_norm (Qwen3-MoE has no shared expert, Qwen2-MoE "
                       "no qk-norm, HunYuan-MoE normalises after RoPE)",
                       "router.gating='sigmoid' (Glm4MoeForCausalLM) or qk_norm=False (Qwen2MoeForCausalLM)")
     return "qwen3_moe" if m["qk_norm"] else "qwen2_moe"
-
-
-def layer_windows(m: dict[str, Any]) -> list[int]:
-    """Each layer's attention window (sliding_window_pattern cycled over the layers; a window w: the query and the
-    w - 1 keys before it, Hugging Face's sliding_window; 0: full causal attention). A model dict without the key
-    (written before it existed): 0 in every layer."""
-    pattern = m.get("sliding_window_pattern") or []
-    ok = isinstance(pattern, list) and all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in pattern)
-    if not ok:
-        raise HFConversionError(f"model.sliding_window_pattern={pattern!r}: expected a list of integers >= 0 (a "
-                                "layer's window in tokens, itself included; 0 = full causal attention)")
-    return [pattern[i % len(pattern)] if pattern else 0 for i in range(m["num_layers"])]
-
-
-def _check_windows(m: dict[str, Any], model_type: str) -> None:
-    """Refuse a sliding_window_pattern that model_type's class does not compute: Llama and GLM-4-MoE have no sliding
-    windows, each class has one sliding_window for all its windowed layers, Qwen3-MoE windows every layer or none."""
-    windows = layer_windows(m)
-    sizes = sorted({w for w in windows if w})
-    if not sizes:
-        return
-    value = f"sliding_window_pattern={m['sliding_window_pattern']!r}"
-    if model_type in ("llama", "glm4_moe"):
-        nearest = ("qk_norm=True (Qwen3ForCausalLM: windows per layer)" if model_type == "llama" else
-                   "router.gating='softmax' with qk_norm=True and one window in every layer (Qwen3MoeForCausalLM)")
-        raise _refuse(f"{value} ({ARCH[model_type]} has no sliding-window attention)",
-                      f"{nearest} or sliding_window_pattern=[]")
-    if model_type == "qwen2_moe":  # its config and masks have windows, its flash-attention path drops them
-        raise _refuse(f"{value} (Qwen2MoeAttention passes no sliding_window to flash attention, so that path attends "
-                      "to the whole prefix: the folder would compute another model there)",
-                      "qk_norm=True and one window in every layer (Qwen3MoeForCausalLM) or sliding_window_pattern=[]")
-    if model_type == "qwen3_moe" and (0 in windows or len(sizes) > 1):
-        raise _refuse(f"{value}: not one window in every layer (Qwen3MoeForCausalLM windows every layer with one "
-                      "sliding_window, or none: use_sliding_window, no layer_types)",
-                      f"sliding_window_pattern=[{sizes[0]}] (every layer) or []")
-    if len(sizes) > 1:
-        raise _refuse(f"{value}: windows of {len(sizes)} sizes {sizes} ({ARCH[model_type]} has one sliding_window for "
-                      "all its windowed layers)", f"one window size in every windowed layer, e.g. "
-                      f"sliding_window_pattern={[w and sizes[0] for w in m['sliding_window_pattern']]}")
-
-
-def _derived_layer_types(model_type: str, max_window_layers: Any, use_sliding_window: bool, num_layers: int,
-                         window: Any) -> list[bool]:
-    """Which layers slide in transformers' config class when config.json has no layer_types: Qwen3 from
-    max_window_layers on (when it has a sliding_window), Qwen2-MoE the even layers below max_window_layers."""
-    if model_type == "qwen3":
-        return [window is not None and i >= max_window_layers for i in range(num_layers)]
-    return [bool((i + 1) % 2) and i < max_window_layers and use_sliding_window for i in range(num_layers)]
-
-
-def _window_keys(windows: list[int], model_type: str) -> dict[str, Any]:
-    """config.json keys giving `windows` (one size; 0 = full) in Qwen3 (layer_types) or Qwen3-MoE (every layer), as
-    _check_windows lets through; Qwen2-MoE exports without windows (use_sliding_window false)."""
-    window = max(windows, default=0)
-    if not window:
-        return {"use_sliding_window": False}
-    if model_type not in ("qwen3", "qwen3_moe"):  # _check_windows refuses these before a config.json is written
-        raise HFConversionError(f"per-layer windows {windows}: {ARCH[model_type]} is not exported with sliding windows")
-    if model_type == "qwen3_moe":
-        return {"use_sliding_window": True, "sliding_window": window}
-    sliding = [w > 0 for w in windows]
-    c: dict[str, Any] = {
-        "use_sliding_window": True, "sliding_window": window,
-        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
-    }
-    # transformers 5 reads layer_types; max_window_layers (Qwen3: the layers from it on slide) is written where it
-    # derives the same layers (older readers), else left to the class default, unused.
-    first = sliding.index(True)
-    if all(sliding[first:]):
-        c["max_window_layers"] = first
-    return c
-
-
-def pattern_of(windows: list[int]) -> list[int]:
-    """The shortest sliding_window_pattern that cycles to these per-layer windows ([] for full attention in all)."""
-    if not any(windows):
-        return []
-    period = next(p for p in range(1, len(windows) + 1) if all(w == windows[i % p] for i, w in enumerate(windows)))
-    return windows[:period]
 
 
 def head_dim(m: dict[str, Any]) -> int:
@@ -359,7 +262,7 @@ def to_hf_config(m: dict[str, Any], model_type: str, dtype: str, extra: dict[str
         c.update(attention_bias=attention_bias(m), mlp_bias=False)
     elif model_type == "qwen3":
         c.update(attention_bias=attention_bias(m), use_sliding_window=False, sliding_window=None)
-        c.update(_window_keys(layer_windows(m), model_type))
+        c.update(window_keys(layer_windows(m), model_type))
     if model_type in ("llama", "qwen3"):
         return c
     r = m["router"]
@@ -371,12 +274,12 @@ def to_hf_config(m: dict[str, Any], model_type: str, dtype: str, extra: dict[str
     if model_type == "qwen3_moe":
         c.update(num_experts=m["num_experts"], mlp_only_layers=dense, decoder_sparse_step=1,
                  attention_bias=attention_bias(m), use_sliding_window=False, sliding_window=None)
-        c.update(_window_keys(layer_windows(m), model_type))
+        c.update(window_keys(layer_windows(m), model_type))
     elif model_type == "qwen2_moe":
         c.update(num_experts=m["num_experts"], mlp_only_layers=dense, decoder_sparse_step=1,
                  qkv_bias=attention_bias(m),
                  shared_expert_intermediate_size=m["shared_expert_hidden"], use_sliding_window=False)
-        c.update(_window_keys(layer_windows(m), model_type))
+        c.update(window_keys(layer_windows(m), model_type))
         if m["shared_expert_hidden"] > 0 and not shared_expert_gate(m):  # exported pinned open; import reads this
             c[NO_SHARED_EXPERT_GATE_KEY] = False
     elif model_type == "glm4_moe":
@@ -401,12 +304,6 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _need(c: dict[str, Any], key: str, ok: Any, expected: Any, value: Any = None) -> None:
-    if not ok:
-        value = c.get(key) if value is None else value
-        raise HFConversionError(f"config.json {key}={value!r}: expected {expected} (moe-train cannot represent this)")
-
-
 def mtp_layers(c: dict[str, Any]) -> range:
     """Indices of the multi-token-prediction layers a GLM-4-MoE folder may hold after its decoder layers
     (model.layers.{i}.*: GLM-4.5's nextn block, a decoder layer plus embed_tokens, enorm, hnorm, eh_proj and
@@ -414,99 +311,46 @@ def mtp_layers(c: dict[str, Any]) -> range:
     if c.get("model_type") != "glm4_moe":
         return range(0)
     n = c.get("num_nextn_predict_layers", CLASS_DEFAULTS["glm4_moe"]["num_nextn_predict_layers"])
-    _need(c, "num_nextn_predict_layers", isinstance(n, int) and not isinstance(n, bool) and n >= 0,
+    need(c, "num_nextn_predict_layers", isinstance(n, int) and not isinstance(n, bool) and n >= 0,
           "an integer >= 0 (multi-token-prediction layers, which import drops)", n)
     return range(c["num_hidden_layers"], c["num_hidden_layers"] + n)
-
-
-# layer_types entries that name attention: sliding or not ("attention": transformers' legacy name of full_attention).
-SLIDING_LAYER_TYPES = {"full_attention": False, "attention": False, "sliding_attention": True}
-
-
-def hf_layer_windows(c: dict[str, Any]) -> list[int]:
-    """Each layer's attention window as transformers' class computes it from config.json (0: full causal attention),
-    or HFConversionError naming the key where the class computes no window moe-train has (or fails).
-
-    Qwen3: the layers of layer_types 'sliding_attention' (without layer_types: from max_window_layers on) attend
-    within sliding_window, which is None unless use_sliding_window (transformers then fails on the first forward).
-    Qwen2-MoE: likewise, sliding_window 0 unless use_sliding_window; without layer_types the even layers below
-    max_window_layers slide. Qwen3-MoE: every layer within sliding_window when use_sliding_window (no layer_types).
-    Llama, GLM-4-MoE: no sliding windows (use_sliding_window and sliding layer_types are refused)."""
-    mt, n = c["model_type"], c["num_hidden_layers"]
-    use = bool(c.get("use_sliding_window", False))
-    types = c.get("layer_types")
-    if types is not None:
-        _need(c, "layer_types", isinstance(types, list) and len(types) == n
-              and all(isinstance(t, str) and t in SLIDING_LAYER_TYPES for t in types),
-              f"a list of num_hidden_layers={n} entries 'full_attention' or 'sliding_attention'")
-    if mt in ("llama", "glm4_moe"):
-        _need(c, "use_sliding_window", not use, f"false ({ARCH[mt]} has no sliding-window attention)")
-        _need(c, "layer_types", not any(SLIDING_LAYER_TYPES[t] for t in types or []),
-              f"only 'full_attention' ({ARCH[mt]} has no sliding-window attention)")
-        return [0] * n
-    window = c.get("sliding_window", 4096) if use else (0 if mt == "qwen2_moe" else None)  # the class's own
-    if mt == "qwen3_moe":
-        sliding = [window is not None] * n
-        if types is not None:
-            _need(c, "layer_types", [SLIDING_LAYER_TYPES[t] for t in types] == sliding,
-                  f"only {'sliding_attention' if sliding[0] else 'full_attention'!r}, as use_sliding_window={use} "
-                  "gives (Qwen3MoeForCausalLM reads no layer_types: use_sliding_window windows every layer or none)")
-    elif types is not None:
-        sliding = [SLIDING_LAYER_TYPES[t] for t in types]
-    else:
-        mwl = c.get("max_window_layers", 28)
-        if window is not None and (mt == "qwen3" or use):
-            _need(c, "max_window_layers", isinstance(mwl, int) and not isinstance(mwl, bool),
-                  "an integer (the layers that slide come from it when config.json has no layer_types)", mwl)
-        sliding = _derived_layer_types(mt, mwl, use, n, window)
-    if mt == "qwen2_moe" and use:  # Qwen2MoeModel builds the sliding-window mask whether a layer uses it or not
-        _need(c, "sliding_window", window is not None, "an integer >= 1 (Qwen2MoeForCausalLM builds its sliding-window "
-              "mask whenever use_sliding_window is true)", window)
-    if not any(sliding):
-        return [0] * n
-    if not use:  # a sliding layer without a window: None (Qwen3) fails, 0 (Qwen2-MoE) attends to nothing
-        _need(c, "layer_types", False, f"only 'full_attention' where use_sliding_window=false ({ARCH[mt]}'s "
-              f"sliding_window is then {window}: transformers cannot run its 'sliding_attention' layers)")
-    _need(c, "sliding_window", isinstance(window, int) and not isinstance(window, bool) and window >= 1,
-          "an integer >= 1 (the sliding layers' window: the query and the sliding_window - 1 keys before it)", window)
-    return [window if s else 0 for s in sliding]
 
 
 def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """config.json -> (our model fields, EXTRA_KEYS found); HFConversionError on anything we cannot represent."""
     mt = c.get("model_type")
-    _need(c, "model_type", mt in ARCH, f"one of {', '.join(ARCH)}")
+    need(c, "model_type", mt in ARCH, f"one of {', '.join(ARCH)}")
     default = {"partial_rotary_factor": 1.0, "rms_norm_eps": 1e-6, **CLASS_DEFAULTS.get(mt, {})}
-    _need(c, "hidden_act", c.get("hidden_act", "silu") == "silu", "'silu'")
+    need(c, "hidden_act", c.get("hidden_act", "silu") == "silu", "'silu'")
     rope = dict(c.get("rope_parameters") or {})
     if "rope_theta" in rope and c.get("rope_theta") is not None:  # transformers 5 reads the first, 4 the second
-        _need(c, "rope_theta", c["rope_theta"] == rope["rope_theta"],
+        need(c, "rope_theta", c["rope_theta"] == rope["rope_theta"],
               f"the same as rope_parameters.rope_theta={rope['rope_theta']!r} (transformers 5 reads that, 4 this)")
     rope.setdefault("rope_theta", c.get("rope_theta", 10_000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     scaling = c.get("rope_scaling")
-    _need(c, "rope_scaling" if scaling else "rope_parameters.rope_type", rope_type == "default" and not scaling,
+    need(c, "rope_scaling" if scaling else "rope_parameters.rope_type", rope_type == "default" and not scaling,
           "'default' (no scaling)", scaling or rope_type)
     d, heads = c["hidden_size"], c["num_attention_heads"]
     hd = c.get("head_dim") or d // heads
     prf = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", default["partial_rotary_factor"]))
     if mt == "glm4_moe":  # transformers rotates the first int(head_dim x factor) dims
         number = isinstance(prf, (int, float)) and not isinstance(prf, bool) and 0 < prf <= 1
-        _need(c, "partial_rotary_factor", number and prf * hd == int(prf * hd) and int(prf * hd) % 2 == 0,
+        need(c, "partial_rotary_factor", number and prf * hd == int(prf * hd) and int(prf * hd) % 2 == 0,
               f"a fraction in (0, 1] of head_dim={hd} that rotates a whole even number of dims", prf)
     else:
-        _need(c, "partial_rotary_factor", prf == 1.0,
+        need(c, "partial_rotary_factor", prf == 1.0,
               f"1.0 ({ARCH[mt]} rotates the whole head; only Glm4MoeForCausalLM rotates part of it)", prf)
     # The q/k/v biases: Qwen2-MoE calls them qkv_bias, the others attention_bias (Llama's, Qwen3's and Qwen3-MoE's
     # also bias o_proj: build_plan expects that bias to be zeros).
     bias_key = "qkv_bias" if mt == "qwen2_moe" else "attention_bias"
     bias = c.get(bias_key, default.get(bias_key, False))
-    _need(c, bias_key, isinstance(bias, bool), "true or false", bias)
+    need(c, bias_key, isinstance(bias, bool), "true or false", bias)
     for key in ("attention_bias", "mlp_bias", "qkv_bias"):
         if key != bias_key:
-            _need(c, key, not c.get(key, default.get(key, False)), "false", c.get(key, default.get(key)))
+            need(c, key, not c.get(key, default.get(key, False)), "false", c.get(key, default.get(key)))
     windows = hf_layer_windows(c)
-    _need(c, "head_dim", hd % 2 == 0, "an even number (RoPE rotates pairs of dims)", hd)
+    need(c, "head_dim", hd % 2 == 0, "an even number (RoPE rotates pairs of dims)", hd)
     m: dict[str, Any] = {
         "vocab_size": c["vocab_size"], "d_model": d, "num_layers": c["num_hidden_layers"], "num_heads": heads,
         "num_kv_heads": c.get("num_key_value_heads") or heads, "head_dim": None if hd * heads == d else hd,
@@ -526,32 +370,32 @@ def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         router["lb_loss_weight"] = c["router_aux_loss_coef"]
     m.update(expert_hidden=c["moe_intermediate_size"], router=router)
     if mt in ("qwen3_moe", "qwen2_moe"):
-        _need(c, "decoder_sparse_step", c.get("decoder_sparse_step", 1) == 1, "1")
+        need(c, "decoder_sparse_step", c.get("decoder_sparse_step", 1) == 1, "1")
         shared = c.get("shared_expert_intermediate_size", 0) if mt == "qwen2_moe" else 0
         # Qwen2-MoE's gate is learned, unless our export says the model had none (its gate is then zeros, which
         # the tensor check verifies); a folder without a shared expert has nothing to gate.
         gated = c.get(NO_SHARED_EXPERT_GATE_KEY, True)
-        _need(c, NO_SHARED_EXPERT_GATE_KEY, isinstance(gated, bool), "true or false", gated)
+        need(c, NO_SHARED_EXPERT_GATE_KEY, isinstance(gated, bool), "true or false", gated)
         experts = c.get("num_experts", c.get("num_local_experts", default["num_experts"]))
         # transformers tests `layer_idx not in mlp_only_layers`: an index outside the layers names no layer.
         dense = sorted({i for i in c.get("mlp_only_layers") or [] if i in range(c["num_hidden_layers"])})
         m.update(num_experts=experts, dense_layers=dense, shared_expert_hidden=shared,
                  shared_expert_gate=mt == "qwen2_moe" and gated and shared > 0)
     else:  # glm4_moe
-        _need(c, "n_group", c.get("n_group", 1) == 1, "1 (no group-limited routing)")
-        _need(c, "topk_group", c.get("topk_group", 1) == 1, "1")
+        need(c, "n_group", c.get("n_group", 1) == 1, "1 (no group-limited routing)")
+        need(c, "topk_group", c.get("topk_group", 1) == 1, "1")
         scale = c.get("routed_scaling_factor", 1.0)
-        _need(c, "routed_scaling_factor", isinstance(scale, (int, float)) and not isinstance(scale, bool)
+        need(c, "routed_scaling_factor", isinstance(scale, (int, float)) and not isinstance(scale, bool)
               and math.isfinite(scale) and scale > 0, "a finite number > 0", scale)
         mtp_layers(c)  # checked here; open_hf_folder drops their tensors
         # Sigmoid routers are trained with the selection bias (e_score_correction_bias); keep it live, unless
         # our own export says the model had none (its bias is then zeros, which the tensor check verifies).
         live = c.get(NO_EXPERT_BIAS_KEY, True)
-        _need(c, NO_EXPERT_BIAS_KEY, isinstance(live, bool), "true or false", live)
+        need(c, NO_EXPERT_BIAS_KEY, isinstance(live, bool), "true or false", live)
         router.update(gating="sigmoid", expert_bias=live, routed_scaling_factor=float(scale))
         first_dense = min(c.get("first_k_dense_replace", 1), c["num_hidden_layers"])  # more than all: all dense
         # Glm4MoeForCausalLM's group routing takes the top 2 scores of each group: one expert cannot run.
-        _need(c, "n_routed_experts", c["n_routed_experts"] >= 2 or first_dense == c["num_hidden_layers"],
+        need(c, "n_routed_experts", c["n_routed_experts"] >= 2 or first_dense == c["num_hidden_layers"],
               "an integer >= 2 (Glm4MoeForCausalLM fails on a single routed expert)")
         m.update(num_experts=c["n_routed_experts"], dense_layers=list(range(first_dense)),
                  shared_expert_hidden=c.get("n_shared_experts", 1) * c["moe_intermediate_size"],

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_ckpt import load_metadata, step_of
-from moe_ckpt.hf.spec import pattern_of
+from moe_ckpt.hf.windows import pattern_of
 from moe_train.config import EXPERT_ONLY_FIELDS, Config, ConfigError, ModelConfig
 from moe_train.data.token_file import identity_text
 from moe_train.trainer.checkpoint import checkpoint_root, entries_after_step
