@@ -5,6 +5,7 @@ train.compile and with activation checkpointing."""
 
 import pytest
 import torch
+from attention_parity import compare_kernels, loss_and_grads
 
 from moe_train.config import ModelConfig, RouterConfig
 from moe_train.model import Transformer
@@ -40,14 +41,6 @@ def test_a_packed_document_reads_as_it_does_alone_on_the_gpu(bf16, kernel):
     assert float((unmasked - want).norm() / want.norm()) > 10 * err  # the mask is what makes them equal
 
 
-def _loss_and_grads(model: Transformer, tokens: torch.Tensor, bf16: bool) -> tuple[float, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-        ce, aux = model.loss(tokens[:, :-1], tokens[:, 1:])
-    (ce + aux).backward()
-    return float(ce), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 @cuda
 @pytest.mark.parametrize("setting", ["eager", "compile", "checkpointing"])
 @pytest.mark.parametrize("bf16", [False, True])
@@ -68,18 +61,10 @@ def test_flex_and_sdpa_give_the_same_loss_and_gradients(bf16, setting):
     tokens[torch.rand(3, 302, generator=g) < 0.02] = EOS
     tokens[0, 150:153] = EOS  # documents of one token
     tokens[2][tokens[2] == EOS] = 9  # one document over the whole window
-    tokens = tokens.cuda()
-    results = {}
-    for kernel in ("sdpa", "flex"):
-        model.set_document_masking(EOS, kernel)
-        assert model.document_masking_path(tokens.device, torch.bfloat16 if bf16 else torch.float32) == kernel
-        results[kernel] = _loss_and_grads(model, tokens, bf16)
-    (loss_s, grads_s), (loss_f, grads_f) = results["sdpa"], results["flex"]
+    result = compare_kernels(model, tokens.cuda(), bf16, EOS)
+    loss_s, loss_f = result.losses["sdpa"], result.losses["flex"]
     assert abs(loss_f - loss_s) < (2e-2 if bf16 else 1e-5) * abs(loss_s)
-    tol = 3e-2 if bf16 else 2e-4
-    for name, want in grads_s.items():
-        err = float((grads_f[name] - want).norm() / want.norm().clamp_min(1e-12))
-        assert err < tol, (name, err)
+    assert not result.failures(), result.failures()
 
 
 @cuda
@@ -99,7 +84,7 @@ def test_new_documents_each_step_reuse_the_compiled_flex_kernel():
     def step() -> None:
         tokens = torch.randint(8, 503, (2, 513), generator=g)
         tokens[torch.rand(2, 513, generator=g) < 0.01] = EOS
-        _loss_and_grads(model, tokens.cuda(), bf16=True)
+        loss_and_grads(model, tokens.cuda(), bf16=True)
 
     step()
     compiled = dict(counters["stats"])
