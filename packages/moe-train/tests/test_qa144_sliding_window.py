@@ -150,6 +150,7 @@ def test_the_bench_takes_the_kernel_for_windows_alone(tmp_path):
     cfg.data.seq_len = 16
     result = run_bench(cfg, steps=1, warmup=0)
     assert (result["document_masking_kernel"], result["document_masking_path"]) == ("sdpa", "sdpa")
+    assert (result["seq_len"], result["sliding_window_pattern"]) == (16, [5, 0])  # a result says what it timed
     with pytest.raises(ConfigError, match=r"train.document_masking_kernel='flex'"):
         run_bench(_windowed_config(tmp_path, "flex", grad_accum=1), steps=1, warmup=0)
 

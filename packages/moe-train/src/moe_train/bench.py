@@ -106,6 +106,7 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
         "world_size": runtime.world_size, "param_dtype": cfg.parallel.param_dtype,
         "activation_checkpointing": t.activation_checkpointing, "compile": t.compile,
         "loss_chunk_tokens": t.loss_chunk_tokens, "lm_z_loss_weight": t.lm_z_loss_weight,
+        "seq_len": seq, "sliding_window_pattern": list(m.sliding_window_pattern),
         "document_masking": t.document_masking,
         "document_masking_kernel": t.document_masking_kernel, "document_masking_path": masking_path,
         # every rank's tokens over the slowest rank's time (pp=1: each rank trains on its own tokens)
