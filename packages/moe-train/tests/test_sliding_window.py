@@ -113,6 +113,32 @@ def test_flex_attention_with_the_block_mask_matches_sdpa_with_the_dense_mask(dty
     assert float((wider - want).abs().max()) > 1e-3  # one key more in the window changes the output
 
 
+@pytest.mark.parametrize("eos_id", [None, EOS])
+def test_compiled_flex_serves_every_window_size_from_one_compile(eos_id):
+    """The block mask's mask_mod reads its window from a tensor: compiled flex_attention (what a GPU runs; forward
+    only on the CPU) compiles once for windows of 3 sizes, not once per size (an int in the closure is guarded on,
+    and with train and eval, dtypes and documents the recompile limit of 8 came within reach, past which flex
+    runs eagerly and holds every score)."""
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.reset()
+    compiled = torch.compile(flex_attention, dynamic=False)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 256, 16, generator=g) for _ in range(3))
+    tokens = _tokens(2, 256, seed=3, eos_every=50.0)
+    new_graphs = []
+    for window in (5, 130, 37):
+        counters.clear()
+        with torch.no_grad():
+            got = compiled(q, k, v, block_mask=attention_block_mask(tokens, eos_id, window))
+        new_graphs.append(counters["stats"].get("unique_graphs", 0))
+        mask = attention_mask(tokens, eos_id, window)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert float((got - want).abs().max()) < 1e-5, window
+    assert new_graphs == [1, 0, 0], new_graphs
+
+
 def _model(pattern: list[int], num_layers: int = 3, **extra) -> Transformer:
     cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=num_layers, num_heads=4, num_kv_heads=2, dense_hidden=32,
                       num_experts=4, expert_hidden=16, router=RouterConfig(top_k=2), sliding_window_pattern=pattern,

@@ -109,17 +109,22 @@ def attention_block_mask(tokens: torch.Tensor, eos_id: int | None, window: int =
     padded = torch.full((b, n * FLEX_BLOCK), -1, dtype=torch.int32, device=device)
     padded[:, :s] = document
 
+    # the window as a tensor the mask_mods read, not a Python int they close over: compiled flex_attention guards
+    # on an int's value and compiles anew for each window size (3 sizes, train and eval, fp32 and bf16 reach
+    # dynamo's recompile limit of 8, past which flex runs eagerly, holding every score); a tensor is an input
+    window_size = torch.tensor(window, dtype=torch.int32, device=device)
+
     def causal(b_idx, h_idx, q_idx, kv_idx):  # without documents a batch of 1 serves every row: b_idx is not read
         return q_idx >= kv_idx
 
     def causal_in_window(b_idx, h_idx, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window_size)
 
     def same_document_causal(b_idx, h_idx, q_idx, kv_idx):
         return (padded[b_idx, q_idx] == padded[b_idx, kv_idx]) & (q_idx >= kv_idx)
 
     def same_document_in_window(b_idx, h_idx, q_idx, kv_idx):
-        return same_document_causal(b_idx, h_idx, q_idx, kv_idx) & (q_idx - kv_idx < window)
+        return same_document_causal(b_idx, h_idx, q_idx, kv_idx) & (q_idx - kv_idx < window_size)
 
     def block_lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         count = blocks.sum(-1, dtype=torch.int32).unsqueeze(1)  # [B, 1 (every head), n]
