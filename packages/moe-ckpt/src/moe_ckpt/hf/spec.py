@@ -94,7 +94,7 @@ def choose_model_type(m: dict[str, Any], allow_benchmark_routing: bool = False, 
     if m["num_experts"] == 0:
         if rotary_fraction(m) != 1.0:
             raise refuse(f"rotary_fraction={m['rotary_fraction']!r} in a dense model (LlamaForCausalLM and "
-                          "Qwen3ForCausalLM rotate the whole head)", "rotary_fraction=1.0")
+                         "Qwen3ForCausalLM rotate the whole head)", "rotary_fraction=1.0")
         if not m["qk_norm"] and m["d_model"] % m["num_heads"]:  # transformers 5's LlamaConfig refuses it on load
             raise HFConversionError(
                 f"num_heads={m['num_heads']} does not divide d_model={m['d_model']} in a dense model without qk_norm: "
@@ -148,34 +148,34 @@ def _moe_model_type(m: dict[str, Any]) -> str:
         dense = sorted(set(m["dense_layers"]))
         if dense != list(range(len(dense))):
             raise refuse(f"dense_layers={m['dense_layers']} with sigmoid gating (GLM-4-MoE only has leading dense "
-                          "layers, first_k_dense_replace)", f"dense_layers={list(range(len(dense)))}")
+                         "layers, first_k_dense_replace)", f"dense_layers={list(range(len(dense)))}")
         if m["shared_expert_hidden"] % m["expert_hidden"]:
             raise refuse(f"shared_expert_hidden={m['shared_expert_hidden']} with sigmoid gating (GLM-4-MoE's shared "
-                          f"expert is n_shared_experts x expert_hidden={m['expert_hidden']})",
-                          "a multiple of expert_hidden")
+                         f"expert is n_shared_experts x expert_hidden={m['expert_hidden']})",
+                         "a multiple of expert_hidden")
         if m["num_experts"] < 2:
             raise refuse(f"num_experts={m['num_experts']} with sigmoid gating", "num_experts >= 2")
         if shared_expert_gate(m):
             raise refuse("shared_expert_gate=True with sigmoid gating (GLM-4-MoE's shared experts are not gated)",
-                          "router.gating='softmax' with qk_norm=False (Qwen2MoeForCausalLM) or "
-                          "shared_expert_gate=False")
+                         "router.gating='softmax' with qk_norm=False (Qwen2MoeForCausalLM) or "
+                         "shared_expert_gate=False")
         return "glm4_moe"
     if r["gating"] != "softmax":
         raise HFConversionError(f"router.gating={r['gating']!r}: expected 'softmax' or 'sigmoid'")
     if routed_scaling_factor(r) != 1.0:
         raise refuse(f"router.routed_scaling_factor={r['routed_scaling_factor']!r} with softmax gating (Qwen2-MoE and "
-                      "Qwen3-MoE do not scale the routing weights)",
-                      "router.gating='sigmoid' (Glm4MoeForCausalLM) or router.routed_scaling_factor=1.0")
+                     "Qwen3-MoE do not scale the routing weights)",
+                     "router.gating='sigmoid' (Glm4MoeForCausalLM) or router.routed_scaling_factor=1.0")
     if rotary_fraction(m) != 1.0:
         raise refuse(f"rotary_fraction={m['rotary_fraction']!r} with softmax gating (Qwen2-MoE and Qwen3-MoE rotate "
-                      "the whole head)", "router.gating='sigmoid' (Glm4MoeForCausalLM) or rotary_fraction=1.0")
+                     "the whole head)", "router.gating='sigmoid' (Glm4MoeForCausalLM) or rotary_fraction=1.0")
     if r["expert_bias"]:
         raise refuse("router.expert_bias=True with softmax gating (a selection-only bias over softmax probabilities)",
-                      "router.gating='sigmoid' (Glm4MoeForCausalLM) or router.expert_bias=False")
+                     "router.gating='sigmoid' (Glm4MoeForCausalLM) or router.expert_bias=False")
     if m["qk_norm"] and m["shared_expert_hidden"] > 0:
         raise refuse("softmax gating + shared expert + per-head qk_norm (Qwen3-MoE has no shared expert, Qwen2-MoE "
-                      "no qk-norm, HunYuan-MoE normalises after RoPE)",
-                      "router.gating='sigmoid' (Glm4MoeForCausalLM) or qk_norm=False (Qwen2MoeForCausalLM)")
+                     "no qk-norm, HunYuan-MoE normalises after RoPE)",
+                     "router.gating='sigmoid' (Glm4MoeForCausalLM) or qk_norm=False (Qwen2MoeForCausalLM)")
     return "qwen3_moe" if m["qk_norm"] else "qwen2_moe"
 
 
@@ -312,7 +312,7 @@ def mtp_layers(c: dict[str, Any]) -> range:
         return range(0)
     n = c.get("num_nextn_predict_layers", CLASS_DEFAULTS["glm4_moe"]["num_nextn_predict_layers"])
     need(c, "num_nextn_predict_layers", isinstance(n, int) and not isinstance(n, bool) and n >= 0,
-          "an integer >= 0 (multi-token-prediction layers, which import drops)", n)
+         "an integer >= 0 (multi-token-prediction layers, which import drops)", n)
     return range(c["num_hidden_layers"], c["num_hidden_layers"] + n)
 
 
@@ -325,22 +325,22 @@ def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     rope = dict(c.get("rope_parameters") or {})
     if "rope_theta" in rope and c.get("rope_theta") is not None:  # transformers 5 reads the first, 4 the second
         need(c, "rope_theta", c["rope_theta"] == rope["rope_theta"],
-              f"the same as rope_parameters.rope_theta={rope['rope_theta']!r} (transformers 5 reads that, 4 this)")
+             f"the same as rope_parameters.rope_theta={rope['rope_theta']!r} (transformers 5 reads that, 4 this)")
     rope.setdefault("rope_theta", c.get("rope_theta", 10_000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     scaling = c.get("rope_scaling")
     need(c, "rope_scaling" if scaling else "rope_parameters.rope_type", rope_type == "default" and not scaling,
-          "'default' (no scaling)", scaling or rope_type)
+         "'default' (no scaling)", scaling or rope_type)
     d, heads = c["hidden_size"], c["num_attention_heads"]
     hd = c.get("head_dim") or d // heads
     prf = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", default["partial_rotary_factor"]))
     if mt == "glm4_moe":  # transformers rotates the first int(head_dim x factor) dims
         number = isinstance(prf, (int, float)) and not isinstance(prf, bool) and 0 < prf <= 1
         need(c, "partial_rotary_factor", number and prf * hd == int(prf * hd) and int(prf * hd) % 2 == 0,
-              f"a fraction in (0, 1] of head_dim={hd} that rotates a whole even number of dims", prf)
+             f"a fraction in (0, 1] of head_dim={hd} that rotates a whole even number of dims", prf)
     else:
         need(c, "partial_rotary_factor", prf == 1.0,
-              f"1.0 ({ARCH[mt]} rotates the whole head; only Glm4MoeForCausalLM rotates part of it)", prf)
+             f"1.0 ({ARCH[mt]} rotates the whole head; only Glm4MoeForCausalLM rotates part of it)", prf)
     # The q/k/v biases: Qwen2-MoE calls them qkv_bias, the others attention_bias (Llama's, Qwen3's and Qwen3-MoE's
     # also bias o_proj: build_plan expects that bias to be zeros).
     bias_key = "qkv_bias" if mt == "qwen2_moe" else "attention_bias"
@@ -365,7 +365,7 @@ def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         m.update(num_experts=0, dense_layers=[], shared_expert_hidden=0, shared_expert_gate=False)
         return m, extra
     router = {"top_k": c["num_experts_per_tok"], "normalize_top_k": bool(c.get("norm_topk_prob", mt == "glm4_moe")),
-              "routing": "learned", "gating": "softmax", "expert_bias": False, "routed_scaling_factor": 1.0}
+             "routing": "learned", "gating": "softmax", "expert_bias": False, "routed_scaling_factor": 1.0}
     if "router_aux_loss_coef" in c:
         router["lb_loss_weight"] = c["router_aux_loss_coef"]
     m.update(expert_hidden=c["moe_intermediate_size"], router=router)
@@ -386,7 +386,7 @@ def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         need(c, "topk_group", c.get("topk_group", 1) == 1, "1")
         scale = c.get("routed_scaling_factor", 1.0)
         need(c, "routed_scaling_factor", isinstance(scale, (int, float)) and not isinstance(scale, bool)
-              and math.isfinite(scale) and scale > 0, "a finite number > 0", scale)
+             and math.isfinite(scale) and scale > 0, "a finite number > 0", scale)
         mtp_layers(c)  # checked here; open_hf_folder drops their tensors
         # Sigmoid routers are trained with the selection bias (e_score_correction_bias); keep it live, unless
         # our own export says the model had none (its bias is then zeros, which the tensor check verifies).
@@ -396,7 +396,7 @@ def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         first_dense = min(c.get("first_k_dense_replace", 1), c["num_hidden_layers"])  # more than all: all dense
         # Glm4MoeForCausalLM's group routing takes the top 2 scores of each group: one expert cannot run.
         need(c, "n_routed_experts", c["n_routed_experts"] >= 2 or first_dense == c["num_hidden_layers"],
-              "an integer >= 2 (Glm4MoeForCausalLM fails on a single routed expert)")
+             "an integer >= 2 (Glm4MoeForCausalLM fails on a single routed expert)")
         m.update(num_experts=c["n_routed_experts"], dense_layers=list(range(first_dense)),
                  shared_expert_hidden=c.get("n_shared_experts", 1) * c["moe_intermediate_size"],
                  shared_expert_gate=False)

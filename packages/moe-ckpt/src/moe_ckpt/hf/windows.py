@@ -34,19 +34,19 @@ def check_windows(m: dict[str, Any], model_type: str) -> None:
         nearest = ("qk_norm=True (Qwen3ForCausalLM: windows per layer)" if model_type == "llama" else
                    "router.gating='softmax' with qk_norm=True and one window in every layer (Qwen3MoeForCausalLM)")
         raise refuse(f"{value} ({ARCH[model_type]} has no sliding-window attention)",
-                      f"{nearest} or sliding_window_pattern=[]")
+                     f"{nearest} or sliding_window_pattern=[]")
     if model_type == "qwen2_moe":  # its config and masks have windows, its flash-attention path drops them
         raise refuse(f"{value} (Qwen2MoeAttention passes no sliding_window to flash attention, so that path attends "
-                      "to the whole prefix: the folder would compute another model there)",
-                      "qk_norm=True and one window in every layer (Qwen3MoeForCausalLM) or sliding_window_pattern=[]")
+                     "to the whole prefix: the folder would compute another model there)",
+                     "qk_norm=True and one window in every layer (Qwen3MoeForCausalLM) or sliding_window_pattern=[]")
     if model_type == "qwen3_moe" and (0 in windows or len(sizes) > 1):
         raise refuse(f"{value}: not one window in every layer (Qwen3MoeForCausalLM windows every layer with one "
-                      "sliding_window, or none: use_sliding_window, no layer_types)",
-                      f"sliding_window_pattern=[{sizes[0]}] (every layer) or []")
+                     "sliding_window, or none: use_sliding_window, no layer_types)",
+                     f"sliding_window_pattern=[{sizes[0]}] (every layer) or []")
     if len(sizes) > 1:
         raise refuse(f"{value}: windows of {len(sizes)} sizes {sizes} ({ARCH[model_type]} has one sliding_window for "
-                      "all its windowed layers)", f"one window size in every windowed layer, e.g. "
-                      f"sliding_window_pattern={[w and sizes[0] for w in m['sliding_window_pattern']]}")
+                     "all its windowed layers)", f"one window size in every windowed layer, e.g. "
+                     f"sliding_window_pattern={[w and sizes[0] for w in m['sliding_window_pattern']]}")
 
 
 def _derived_layer_types(model_type: str, max_window_layers: Any, use_sliding_window: bool, num_layers: int,
@@ -107,36 +107,36 @@ def hf_layer_windows(c: dict[str, Any]) -> list[int]:
     types = c.get("layer_types")
     if types is not None:
         need(c, "layer_types", isinstance(types, list) and len(types) == n
-              and all(isinstance(t, str) and t in SLIDING_LAYER_TYPES for t in types),
-              f"a list of num_hidden_layers={n} entries 'full_attention' or 'sliding_attention'")
+             and all(isinstance(t, str) and t in SLIDING_LAYER_TYPES for t in types),
+             f"a list of num_hidden_layers={n} entries 'full_attention' or 'sliding_attention'")
     if mt in ("llama", "glm4_moe"):
         need(c, "use_sliding_window", not use, f"false ({ARCH[mt]} has no sliding-window attention)")
         need(c, "layer_types", not any(SLIDING_LAYER_TYPES[t] for t in types or []),
-              f"only 'full_attention' ({ARCH[mt]} has no sliding-window attention)")
+             f"only 'full_attention' ({ARCH[mt]} has no sliding-window attention)")
         return [0] * n
     window = c.get("sliding_window", 4096) if use else (0 if mt == "qwen2_moe" else None)  # the class's own
     if mt == "qwen3_moe":
         sliding = [window is not None] * n
         if types is not None:
             need(c, "layer_types", [SLIDING_LAYER_TYPES[t] for t in types] == sliding,
-                  f"only {'sliding_attention' if sliding[0] else 'full_attention'!r}, as use_sliding_window={use} "
-                  "gives (Qwen3MoeForCausalLM reads no layer_types: use_sliding_window windows every layer or none)")
+                 f"only {'sliding_attention' if sliding[0] else 'full_attention'!r}, as use_sliding_window={use} "
+                 "gives (Qwen3MoeForCausalLM reads no layer_types: use_sliding_window windows every layer or none)")
     elif types is not None:
         sliding = [SLIDING_LAYER_TYPES[t] for t in types]
     else:
         mwl = c.get("max_window_layers", 28)
         if window is not None and (mt == "qwen3" or use):
             need(c, "max_window_layers", isinstance(mwl, int) and not isinstance(mwl, bool),
-                  "an integer (the layers that slide come from it when config.json has no layer_types)", mwl)
+                 "an integer (the layers that slide come from it when config.json has no layer_types)", mwl)
         sliding = _derived_layer_types(mt, mwl, use, n, window)
     if mt == "qwen2_moe" and use:  # Qwen2MoeModel builds the sliding-window mask whether a layer uses it or not
         need(c, "sliding_window", window is not None, "an integer >= 1 (Qwen2MoeForCausalLM builds its sliding-window "
-              "mask whenever use_sliding_window is true)", window)
+             "mask whenever use_sliding_window is true)", window)
     if not any(sliding):
         return [0] * n
     if not use:  # a sliding layer without a window: None (Qwen3) fails, 0 (Qwen2-MoE) attends to nothing
         need(c, "layer_types", False, f"only 'full_attention' where use_sliding_window=false ({ARCH[mt]}'s "
-              f"sliding_window is then {window}: transformers cannot run its 'sliding_attention' layers)")
+             f"sliding_window is then {window}: transformers cannot run its 'sliding_attention' layers)")
     need(c, "sliding_window", isinstance(window, int) and not isinstance(window, bool) and window >= 1,
-          "an integer >= 1 (the sliding layers' window: the query and the sliding_window - 1 keys before it)", window)
+         "an integer >= 1 (the sliding layers' window: the query and the sliding_window - 1 keys before it)", window)
     return [window if s else 0 for s in sliding]
