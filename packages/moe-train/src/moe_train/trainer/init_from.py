@@ -50,8 +50,7 @@ def check_init_source(cfg: Config) -> Path:
                               f"{model_type!r}), not ours: convert it first with `moe-train import-hf {given} OUT`, "
                               "then train.init_from=OUT (and --config OUT/config.json for its model settings)") from None
         raise ConfigError(f"train.init_from={given!r}: {e}") from None
-    diffs = [d for d in resume_checks.model_differences(stored.to_dict()["model"], cfg)
-             if d.split(":")[0] not in resume_checks.ATTENTION_REACH_FIELDS]
+    diffs, _ = resume_checks.init_from_differences(stored.to_dict()["model"], cfg)
     if diffs:
         raise ConfigError(f"train.init_from={given!r} ({path}) holds the weights of another model ({'; '.join(diffs)}); "
                           "give this run the checkpoint's model settings (an import-hf output's config.json works as "
@@ -64,8 +63,7 @@ def warn_if_another_attention_reach(source: Path, cfg: Config) -> None:
     purpose); say so once, naming each, so that a change made by mistake does not pass unseen."""
     from moe_train.hf_bridge import stored_config
 
-    changed = [d for d in resume_checks.model_differences(stored_config(source).to_dict()["model"], cfg)
-               if d.split(":")[0] in resume_checks.ATTENTION_REACH_FIELDS]
+    _, changed = resume_checks.init_from_differences(stored_config(source).to_dict()["model"], cfg)
     if changed:
         warnings.warn(f"train.init_from={str(source)!r}: this run reads its weights with other attention settings "
                       f"than they were trained with ({'; '.join(changed)})", stacklevel=2)

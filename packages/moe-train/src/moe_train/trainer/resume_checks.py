@@ -94,6 +94,14 @@ def model_differences(saved: dict[str, Any], cfg: Config) -> list[str]:
             for k, v in sorted(saved_net.items()) if k not in may_change and want_net.get(k) != v]
 
 
+def init_from_differences(saved: dict[str, Any], cfg: Config) -> tuple[list[str], list[str]]:
+    """model_differences split for train.init_from: (those that refuse the source, the ATTENTION_REACH_FIELDS ones
+    it takes with a warning)."""
+    diffs = model_differences(saved, cfg)
+    reach = [d for d in diffs if d.split(":")[0] in ATTENTION_REACH_FIELDS]
+    return [d for d in diffs if d not in reach], reach
+
+
 def check_same_model(path: Path, cfg: Config) -> None:
     """Refuse to resume a checkpoint written for another model or sequence length: tensors of
     the same shapes would load silently into a different network (fewer layers, tied
