@@ -9,6 +9,7 @@ from typing import Literal
 
 import torch
 
+from moe_kernels.forward_ad import forward_ad_active
 from moe_kernels.route_map import require_tensor
 from moe_kernels.triton import at_own_dtype, dense_rows, use_triton
 
@@ -155,7 +156,7 @@ def grouped_gemm(
 
     backend: "triton" (device-scheduled persistent kernel), "torch" (torch grouped_mm),
     "reference" (per-expert loop, reads offsets on the host), "auto" (triton on CUDA when
-    installed, else torch grouped_mm where supported, else reference).
+    installed, else torch grouped_mm where supported and not under forward-mode AD, else reference).
     """
     offsets = _check_operands(x, w, offsets)
     triton = use_triton(backend, x)  # checks the backend name (and triton's dtype and device) first
@@ -171,9 +172,16 @@ def grouped_gemm(
         return GroupedGemmFn.apply(x.contiguous(), w, offsets)
     if backend == "reference":
         return _per_expert_loop(x, w, offsets)
+    forward_ad = forward_ad_active((x, w))  # torch's grouped_mm has no forward derivative
     if backend == "torch":
         require_torch_grouped_mm(x, w)
+        if forward_ad:
+            raise RuntimeError(
+                "grouped_gemm: forward-mode AD (torch.func.jvp, jacfwd, hessian, linearize; torch.autograd."
+                "forward_ad's dual tensors) is not supported with backend='torch' (torch's grouped_mm has no "
+                "forward derivative); use backend='reference' for that transform (backend='auto' takes it on the CPU)"
+            )
         return grouped_gemm_torch(x, w, offsets)
-    if torch_grouped_mm_supported(x, w):
+    if torch_grouped_mm_supported(x, w) and not forward_ad:
         return grouped_gemm_torch(x, w, offsets)
     return _per_expert_loop(x, w, offsets)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_kernels.forward_ad import has_forward_grad
 from moe_kernels.triton import refuse_double_backward
 
 
@@ -32,7 +33,7 @@ def refuse_dual_inputs(op: str, inputs: tuple) -> None:
     before a kernel launch, where torch would only say that a jvp staticmethod is missing (and
     linearize fails inside Triton's launcher). The forward, not setup_context: linearize traces the
     forward, whose kernels cannot take its proxy tensors, before setup_context would run."""
-    if _has_forward_grad(inputs):
+    if has_forward_grad(inputs):
         raise forward_ad_error(op)
 
 
@@ -48,18 +49,6 @@ def refuse_forward_ad(op: str) -> None:
 
     if retrieve_current_functorch_interpreter().key() == TransformType.Jvp:
         raise forward_ad_error(op)
-
-
-def _has_forward_grad(inputs: tuple) -> bool:
-    """Whether an input is a dual tensor of the current torch.autograd.forward_ad level (only
-    inside a `dual_level()`: outside one, no tensor carries a tangent). A Function's forward may
-    run with forward grad disabled, which hides the tangents from unpack_dual: enabled for the look."""
-    import torch.autograd.forward_ad as fwAD
-
-    if fwAD._current_level < 0:
-        return False
-    with fwAD._set_fwd_grad_enabled(True):
-        return any(isinstance(t, torch.Tensor) and fwAD.unpack_dual(t).tangent is not None for t in inputs)
 
 
 def _legacy_batched_error(op: str) -> RuntimeError:
