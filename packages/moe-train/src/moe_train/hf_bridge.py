@@ -34,6 +34,7 @@ from moe_train.config import Config, ConfigError, DataConfig
 from moe_train.config_io import config_from_dict, export_config_from_dict
 from moe_train.data import DataError
 from moe_train.data.prepare import load_tokenizer
+from moe_train.data.token_file import identity_text, other_tokens, split_identity
 from moe_train.model import Transformer
 from moe_train.trainer import checkpoint as ckpt
 from moe_train.trainer.data_setup import default_data_dir
@@ -179,14 +180,21 @@ def stored_config(path: str | Path) -> Config:
         return cfg
 
 
-def _data_tokenizer(cfg: Config) -> tuple[Path | None, dict[str, Any], str]:
+def _data_tokenizer(cfg: Config, trained_on: Any = None) -> tuple[Path | None, dict[str, Any], str]:
     """tokenizer.json and eos id of a prepared data folder (`prepare-data` writes both), if there is one, and why
-    not when the folder's meta.json names a tokenizer that is not a file ("" otherwise)."""
+    not ("" otherwise): the folder's meta.json names a tokenizer that is not a file, or its train split holds other
+    tokens than the checkpoint's record of what it trained on (trained_on: its metadata's train_data), so its
+    tokenizer need not be the run's (the folder re-prepared, or a relative data.path taken from another directory)."""
     folder = Path(cfg.data.path)
     meta = folder / "meta.json"
     if cfg.data.path == "default" or not meta.is_file():
         return None, {}, ""
     info = json.loads(meta.read_text())
+    if "splits" in info and "train" in info["splits"] and other_tokens(trained_on, split_identity(info)):
+        return None, {}, (f"data.path={cfg.data.path!r} ({folder.resolve()}) holds other training tokens than the "
+                          f"checkpoint was trained on (its train split is {identity_text(split_identity(info))}, the "
+                          f"checkpoint's was {identity_text(trained_on)}), so its tokenizer and eos id need not be the "
+                          "run's (the folder re-prepared, or a relative data.path taken from another directory)")
     tok = folder / info.get("tokenizer", "tokenizer.json")
     extra = {"eos_token_id": info["eos_id"]} if "eos_id" in info else {}
     if tok.is_file():
@@ -223,15 +231,17 @@ def export_hf(
             model_dict: dict[str, Any] = dataclasses.asdict(source.cfg)
             tensors: TensorSource = source.state_dict()
         else:
-            _check_export_out(_resolve_checkpoint(Path(source)), Path(out_dir))  # before anything is read
+            checkpoint = _resolve_checkpoint(Path(source))
+            _check_export_out(checkpoint, Path(out_dir))  # before anything is read
             cfg, tensors = open_files.enter_context(open_checkpoint_source(source))
             model_dict = cfg.to_dict()["model"]
             choose_model_type(model_dict, allow_benchmark_routing, custom_code)  # refused before the tokenizer warning
-            data_tok, data_extra, data_tok_problem = _data_tokenizer(cfg)
+            trained_on = load_metadata(checkpoint).get("train_data") if (checkpoint / "index.json").is_file() else None
+            data_tok, data_extra, data_tok_problem = _data_tokenizer(cfg, trained_on)
             # The context the run trained at, not a length it never saw (tokenizer_config's model_max_length too).
             extra = {"max_position_embeddings": cfg.data.seq_len, **data_extra}
             # an import-hf output carries the Hugging Face folder's own tokenizer beside its weights
-            own_tok = _resolve_checkpoint(Path(source)) / TOKENIZER_FILE
+            own_tok = checkpoint / TOKENIZER_FILE
             if tokenizer_json is None and own_tok.is_file():
                 tokenizer_json, picked = own_tok, "the checkpoint's own tokenizer.json (written by import-hf)"
             elif tokenizer_json is None and data_tok is not None:
@@ -245,7 +255,7 @@ def export_hf(
                     f"(data.cache_dir={cfg.data.cache_dir!r}, relative paths taken from {os.getcwd()}); the folder "
                     "gets no tokenizer.json: run from the training directory or pass one (export-hf --tokenizer, or "
                     "tokenizer_json=)", stacklevel=2)
-            extra_file = _resolve_checkpoint(Path(source)) / HF_EXTRA_FILE
+            extra_file = checkpoint / HF_EXTRA_FILE
             if extra_file.is_file():
                 extra.update(read_json_object(extra_file))
         extra.update(extra_config or {})

@@ -19,6 +19,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -148,6 +149,16 @@ def identity_text(identity: dict) -> str:
     digest, count = identity.get("digest"), identity.get("num_tokens")
     tokens = f"{count:,} tokens" if isinstance(count, int) else f"num_tokens={count!r}"
     return f"{digest[:len(DIGEST) + 12]}… ({tokens})" if isinstance(digest, str) else f"{tokens}, no digest"
+
+
+def other_tokens(saved: Any, now: dict) -> bool:
+    """Whether a checkpoint's record of its training data (`saved`: split_identity then, or not recorded) names
+    other tokens than `now` (a split_identity): the digests differ where both have one, else the token counts do."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("num_tokens"), int):
+        return False  # a checkpoint saved before the trainer recorded it: nothing to compare
+    if isinstance(saved.get("digest"), str) and isinstance(now.get("digest"), str):
+        return saved["digest"] != now["digest"]
+    return saved["num_tokens"] != now["num_tokens"]
 
 
 def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, TokenSplit]]:

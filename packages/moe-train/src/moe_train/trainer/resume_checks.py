@@ -11,7 +11,7 @@ from typing import Any
 from moe_ckpt import load_metadata, step_of
 from moe_ckpt.hf.windows import pattern_of
 from moe_train.config import EXPERT_ONLY_FIELDS, Config, ConfigError, ModelConfig
-from moe_train.data.token_file import identity_text
+from moe_train.data.token_file import identity_text, other_tokens
 from moe_train.trainer.checkpoint import checkpoint_root, entries_after_step
 
 
@@ -172,16 +172,6 @@ def global_batch_change(saved: dict[str, Any], saved_layout: dict[str, Any], cfg
             "tokens, and the lr schedule goes on by step (train.steps and train.warmup_steps count steps, not tokens)")
 
 
-def _other_tokens(saved: Any, now: dict[str, Any]) -> bool:
-    """Whether the checkpoint's record of its training data (`saved`: split_identity then, or not recorded) names
-    other tokens than `now`: the digests differ where both have one, else the token counts do."""
-    if not isinstance(saved, dict) or not isinstance(saved.get("num_tokens"), int):
-        return False  # a checkpoint saved before the trainer recorded it: nothing to compare
-    if isinstance(saved.get("digest"), str) and isinstance(now.get("digest"), str):
-        return saved["digest"] != now["digest"]
-    return saved["num_tokens"] != now["num_tokens"]
-
-
 def train_data_change(saved: dict[str, Any], num_windows: int, data: dict[str, Any], data_path: str | Path,
                       data_seed: int) -> str | None:
     """A one-line warning when a resume continues the checkpoint's sample order on other training data than the
@@ -196,7 +186,7 @@ def train_data_change(saved: dict[str, Any], num_windows: int, data: dict[str, A
     notes, sampler = [], saved["sampler"]
     before = sampler.get("num_windows")
     differs = []
-    if _other_tokens(saved.get("train_data"), data):
+    if other_tokens(saved.get("train_data"), data):
         differs.append(f"its train split is {identity_text(data)}, the checkpoint's was "
                        f"{identity_text(saved['train_data'])}")
     if before is not None and int(before) != num_windows:
