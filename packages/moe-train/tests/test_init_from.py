@@ -167,6 +167,17 @@ def test_a_source_holding_nan_is_refused_naming_the_tensor(source, tmp_path, dat
         Trainer(w.config(tmp_path / "b", str(data_dir), str(tmp_path / "imported"))).train()
 
 
+def test_a_damaged_source_checkpoint_is_refused_naming_train_init_from(source, tmp_path, data_dir):
+    """A shard file gone from the source: the error names the setting that chose it, as the other refusals of a
+    source do (it began with the shard file alone, as a resume's does; review of 0.27.3)."""
+    src, _ = source
+    step = src / "checkpoints" / "step-00000003"
+    shard = next(step.glob("shard-*.safetensors"))
+    shard.unlink()
+    with pytest.raises(Exception, match=rf"^train.init_from={str(step)!r}: shard file .*{shard.name}.* is missing"):
+        Trainer(w.config(tmp_path / "b", str(data_dir), str(src))).train()
+
+
 @pytest.mark.parametrize("param_dtype,kind", [("fp32", "import-hf output"), ("bf16", "run folder")])
 def test_a_dp2_ep2_run_starts_from_a_one_process_checkpoint(param_dtype, kind, source, tmp_path, data_dir):
     """Each rank takes only its regions: its experts, its part of the sharded fp32 masters (from a trainer

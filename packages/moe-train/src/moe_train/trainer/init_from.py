@@ -100,11 +100,15 @@ def load_initial_weights(path: Path, runtime: Runtime, model: nn.Module) -> None
     params = {name for name, _ in model.named_parameters()}
 
     def read() -> dict[str, torch.Tensor]:
-        if (path / "index.json").is_file():  # a trainer checkpoint: each rank reads only its regions
-            saved = inspect_checkpoint(path)["tensors"]
-            wanted = {name: (_stored_name(name, params, saved), s) for name, s in weights.items()}
-            return ckpt.read_regions(path, wanted, runtime.device)
-        return _read_whole_tensors(path, weights)
+        try:
+            if (path / "index.json").is_file():  # a trainer checkpoint: each rank reads only its regions
+                saved = inspect_checkpoint(path)["tensors"]
+                wanted = {name: (_stored_name(name, params, saved), s) for name, s in weights.items()}
+                return ckpt.read_regions(path, wanted, runtime.device)
+            return _read_whole_tensors(path, weights)
+        except CheckpointError as e:  # a damaged file named as the setting that chose it, its type kept
+            e.args = (f"train.init_from={str(path)!r}: {e}",)
+            raise
 
     data = fail_together(read, runtime.rank, runtime.world_size,
                          lambda flags: runtime.all_reduce_sum(flags.to(runtime.device)).cpu(),
