@@ -16,7 +16,8 @@ def inspect_checkpoint(path: str | Path) -> dict:
     """{"path", "format_version", "world_size", "files", "tensors": {name: {shape, dtype, pieces}}, "metadata",
     "total_bytes"}.
 
-    Reads index.json and metadata.json only; no tensor data.
+    Reads index.json and metadata.json only, and the shard files' sizes ("file_problems": those missing or of
+    another size than recorded); no tensor data.
     """
     path = resolve(path)
     index = read_index(path)
@@ -27,7 +28,22 @@ def inspect_checkpoint(path: str | Path) -> dict:
     }
     total = sum(math.prod(t.shape) * dtype_from_name(t.dtype).itemsize for t in index.tensors.values())
     return {"path": str(path), "format_version": index.format_version, "world_size": index.world_size,
-            "files": index.files, "tensors": tensors, "metadata": load_metadata(path), "total_bytes": total}
+            "files": index.files, "tensors": tensors, "metadata": load_metadata(path), "total_bytes": total,
+            "file_problems": file_problems(path, index.files)}
+
+
+def file_problems(path: Path, files: dict[str, dict]) -> list[str]:
+    """The shard files index.json records that are missing or not of their recorded size, one line each (sizes
+    only: a checksum reads every byte, which loading and verify_checkpoint do)."""
+    problems = []
+    for name, record in sorted(files.items()):
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{name} (rank {record['rank']}) is missing")
+        elif file.stat().st_size != record["bytes"]:
+            problems.append(f"{name} (rank {record['rank']}) has {file.stat().st_size:,} bytes, index.json records "
+                            f"{record['bytes']:,}")
+    return problems
 
 
 def format_checkpoint(path: str | Path, *, notes: Callable[[dict], Sequence[str]] | None = None) -> str:
@@ -41,6 +57,8 @@ def format_checkpoint(path: str | Path, *, notes: Callable[[dict], Sequence[str]
              f"layout: {meta.get('layout', '(not recorded)')}",
              f"step: {meta.get('step', '(not recorded)')}",
              *(notes(meta) if notes is not None else ())]
+    if info["file_problems"]:  # what the table below would hide: the tensors' data is not all there
+        lines.append(f"DAMAGED: {'; '.join(info['file_problems'])} (this checkpoint cannot be loaded)")
     width = max((len(n) for n in info["tensors"]), default=0)
     for name, t in info["tensors"].items():
         lines.append(f"  {name:<{width}}  {t['dtype']:<9} {str(tuple(t['shape'])):<20} {len(t['pieces'])} pieces")

@@ -1,0 +1,35 @@
+"""inspect_checkpoint / format_checkpoint (what `python -m moe_ckpt DIR` and `moe-train inspect` print) say when a
+shard file index.json records is missing or of another size: they listed every tensor as if the data were there
+(review of moe-ckpt 0.21.1), while loading refused the checkpoint. Sizes only: a checksum reads every byte."""
+
+from __future__ import annotations
+
+import pytest
+from ckpt_cases import make_state, run_ranks, shards_for
+
+from moe_ckpt import format_checkpoint, inspect_checkpoint, save_checkpoint
+
+SHARD0, SHARD1 = "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"
+
+
+@pytest.fixture
+def ck2(tmp_path):
+    state = make_state()
+    run_ranks(2, lambda r, bar: save_checkpoint(tmp_path / "ck", shards_for(state, r, 2), {"step": 3}, r, 2, bar))
+    return tmp_path / "ck"
+
+
+def test_a_whole_checkpoint_has_no_problems(ck2):
+    assert inspect_checkpoint(ck2)["file_problems"] == []
+    assert "DAMAGED" not in format_checkpoint(ck2)
+
+
+def test_a_missing_and_a_truncated_shard_are_named(ck2):
+    size = (ck2 / SHARD1).stat().st_size
+    (ck2 / SHARD0).unlink()
+    with open(ck2 / SHARD1, "r+b") as f:
+        f.truncate(size - 5)
+    want = [f"{SHARD0} (rank 0) is missing", f"{SHARD1} (rank 1) has {size - 5:,} bytes, index.json records {size:,}"]
+    assert inspect_checkpoint(ck2)["file_problems"] == want
+    lines = format_checkpoint(ck2).splitlines()
+    assert lines[3] == f"DAMAGED: {'; '.join(want)} (this checkpoint cannot be loaded)", lines[:5]
