@@ -35,3 +35,9 @@ def test_a_later_step_without_index_json_is_named_by_inspect_and_newest_checkpoi
     captured = capsys.readouterr()
     assert "step: 1" in captured.out, captured.out
     assert "step-00000003" in captured.err and "no index.json" in captured.err, captured.err
+    from moe_train.hf_bridge import export_hf
+
+    with warnings.catch_warnings(record=True) as caught:  # export-hf: once, not once per lookup (it said it twice)
+        warnings.simplefilter("always")
+        export_hf(run_dir, tmp_path / "hf", dtype="fp32", tokenizer_json=data_dir / "tokenizer.json", custom_code=True)
+    assert sum("named as a later step" in str(c.message) for c in caught) == 1, [str(c.message) for c in caught]

@@ -233,7 +233,7 @@ def export_hf(
         else:
             checkpoint = _resolve_checkpoint(Path(source))
             _check_export_out(checkpoint, Path(out_dir))  # before anything is read
-            cfg, tensors = open_files.enter_context(open_checkpoint_source(source))
+            cfg, tensors = open_files.enter_context(open_checkpoint_source(checkpoint))  # resolved once: one warning
             model_dict = cfg.to_dict()["model"]
             choose_model_type(model_dict, allow_benchmark_routing, custom_code)  # refused before the tokenizer warning
             trained_on = load_metadata(checkpoint).get("train_data") if (checkpoint / "index.json").is_file() else None
