@@ -180,16 +180,18 @@ def stored_config(path: str | Path) -> Config:
         return cfg
 
 
-def _data_tokenizer(cfg: Config, trained_on: Any = None) -> tuple[Path | None, dict[str, Any], str]:
+def _data_tokenizer(cfg: Config, checkpoint: Path) -> tuple[Path | None, dict[str, Any], str]:
     """tokenizer.json and eos id of a prepared data folder (`prepare-data` writes both), if there is one, and why
     not ("" otherwise): the folder's meta.json names a tokenizer that is not a file, or its train split holds other
-    tokens than the checkpoint's record of what it trained on (trained_on: its metadata's train_data), so its
-    tokenizer need not be the run's (the folder re-prepared, or a relative data.path taken from another directory)."""
+    tokens than the checkpoint's record of what it trained on (a trainer checkpoint's train_data, read only when
+    there is a folder to compare), so its tokenizer need not be the run's (the folder re-prepared, or a relative
+    data.path taken from another directory)."""
     folder = Path(cfg.data.path)
     meta = folder / "meta.json"
     if cfg.data.path == "default" or not meta.is_file():
         return None, {}, ""
     info = json.loads(meta.read_text())
+    trained_on = load_metadata(checkpoint).get("train_data") if (checkpoint / "index.json").is_file() else None
     if "splits" in info and "train" in info["splits"] and other_tokens(trained_on, split_identity(info)):
         return None, {}, (f"data.path={cfg.data.path!r} ({folder.resolve()}) holds other training tokens than the "
                           f"checkpoint was trained on (its train split is {identity_text(split_identity(info))}, the "
@@ -236,8 +238,7 @@ def export_hf(
             cfg, tensors = open_files.enter_context(open_checkpoint_source(checkpoint))  # resolved once: one warning
             model_dict = cfg.to_dict()["model"]
             choose_model_type(model_dict, allow_benchmark_routing, custom_code)  # refused before the tokenizer warning
-            trained_on = load_metadata(checkpoint).get("train_data") if (checkpoint / "index.json").is_file() else None
-            data_tok, data_extra, data_tok_problem = _data_tokenizer(cfg, trained_on)
+            data_tok, data_extra, data_tok_problem = _data_tokenizer(cfg, checkpoint)
             # The context the run trained at, not a length it never saw (tokenizer_config's model_max_length too).
             extra = {"max_position_embeddings": cfg.data.seq_len, **data_extra}
             # an import-hf output carries the Hugging Face folder's own tokenizer beside its weights
