@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from ckpt_cases import bits_equal, edit_header, make_state, reseal, run_ranks, shards_for
+from ckpt_cases import bits_equal, edit_header, reseal
 
 from moe_ckpt import (
     Box,
@@ -26,13 +26,6 @@ from moe_ckpt import (
 )
 
 SHARD0 = "shard-00000-of-00002.safetensors"
-
-
-@pytest.fixture
-def ck2(tmp_path):
-    state = make_state()
-    run_ranks(2, lambda r, bar: save_checkpoint(tmp_path / "ck", shards_for(state, r, 2), {"step": 3}, r, 2, bar))
-    return tmp_path / "ck"
 
 
 def _edit_index(ck, fn) -> None:

@@ -2,7 +2,7 @@ import json
 
 import pytest
 import torch
-from ckpt_cases import make_state, requests_for, run_ranks, shards_for
+from ckpt_cases import requests_for, run_ranks
 
 from moe_ckpt import (
     Box,
@@ -20,14 +20,6 @@ from moe_ckpt import (
     load_checkpoint,
     save_checkpoint,
 )
-
-
-@pytest.fixture
-def ck2(tmp_path):
-    """A checkpoint written by 2 simulated ranks."""
-    state = make_state()
-    run_ranks(2, lambda r, bar: save_checkpoint(tmp_path / "ck", shards_for(state, r, 2), {"step": 3}, r, 2, bar))
-    return tmp_path / "ck"
 
 
 def test_flipped_byte_is_a_checksum_error_naming_the_file(ck2):

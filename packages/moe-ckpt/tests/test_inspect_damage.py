@@ -4,19 +4,10 @@ shard file index.json records is missing or of another size: they listed every t
 
 from __future__ import annotations
 
-import pytest
-from ckpt_cases import make_state, run_ranks, shards_for
 
-from moe_ckpt import format_checkpoint, inspect_checkpoint, save_checkpoint
+from moe_ckpt import format_checkpoint, inspect_checkpoint
 
 SHARD0, SHARD1 = "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"
-
-
-@pytest.fixture
-def ck2(tmp_path):
-    state = make_state()
-    run_ranks(2, lambda r, bar: save_checkpoint(tmp_path / "ck", shards_for(state, r, 2), {"step": 3}, r, 2, bar))
-    return tmp_path / "ck"
 
 
 def test_a_whole_checkpoint_has_no_problems(ck2):
