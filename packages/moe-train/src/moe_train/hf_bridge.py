@@ -192,11 +192,15 @@ def _data_tokenizer(cfg: Config, checkpoint: Path) -> tuple[Path | None, dict[st
         return None, {}, ""
     info = json.loads(meta.read_text())
     trained_on = load_metadata(checkpoint).get("train_data") if (checkpoint / "index.json").is_file() else None
-    if "splits" in info and "train" in info["splits"] and other_tokens(trained_on, split_identity(info)):
+    try:
+        now = split_identity(info)
+    except (KeyError, TypeError):  # a meta.json without a train split's count: nothing to compare (train refuses it)
+        now = None
+    if now is not None and other_tokens(trained_on, now):
         return None, {}, (f"data.path={cfg.data.path!r} ({folder.resolve()}) holds other training tokens than the "
-                          f"checkpoint was trained on (its train split is {identity_text(split_identity(info))}, the "
-                          f"checkpoint's was {identity_text(trained_on)}), so its tokenizer and eos id need not be the "
-                          "run's (the folder re-prepared, or a relative data.path taken from another directory)")
+                          f"checkpoint was trained on (its train split is {identity_text(now)}, the checkpoint's was "
+                          f"{identity_text(trained_on)}), so its tokenizer and eos id need not be the run's (the "
+                          "folder re-prepared, or a relative data.path taken from another directory)")
     tok = folder / info.get("tokenizer", "tokenizer.json")
     extra = {"eos_token_id": info["eos_id"]} if "eos_id" in info else {}
     if tok.is_file():
