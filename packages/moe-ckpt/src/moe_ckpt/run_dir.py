@@ -18,11 +18,12 @@ import os
 import re
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 
 from moe_ckpt.errors import CheckpointError
 from moe_ckpt.geometry import as_index
-from moe_ckpt.shard_file import fsync_dir, write_text_atomic
+from moe_ckpt.shard_file import fsync_dir, naming, write_text_atomic
 
 INDEX = "index.json"
 METADATA = "metadata.json"
@@ -82,7 +83,8 @@ def list_checkpoints(root: str | Path) -> list[Path]:
 
 def read_latest(root: Path) -> Path | None:
     try:
-        name = (root / LATEST).read_text().strip()
+        with naming(root / LATEST):  # an I/O error reading it names the pointer
+            name = (root / LATEST).read_text().strip()
     except FileNotFoundError:
         return None
     if not name or "/" in name or name in (".", ".."):
@@ -96,10 +98,19 @@ def find_latest(root: str | Path) -> Path | None:
     The committed checkpoint of the highest step (list_checkpoints). `latest` names it after every
     save, but a crash between a checkpoint's rename into place and the pointer update leaves the
     pointer one behind: the newer complete checkpoint wins (to roll back, move newer checkpoints away).
-    Partial `.tmp` directories are never returned.
+    Partial `.tmp` directories are never returned. A pointer naming no committed checkpoint of the run (its
+    folder deleted or damaged since) is warned about, naming both: the run then resolves to an older step.
     """
+    root = Path(root)
     found = list_checkpoints(root)
-    return found[-1] if found else None
+    newest = found[-1] if found else None
+    pointer = read_latest(root) if root.is_dir() else None
+    if pointer is not None and pointer not in found:
+        warnings.warn(f"{root / LATEST} names {pointer.name}, which is not a committed checkpoint of this run "
+                      "(deleted, moved, or its index.json lost): "
+                      + (f"resolving to {newest.name}, the newest one there is" if newest is not None
+                         else "there is no committed checkpoint to resolve to"), stacklevel=2)
+    return newest
 
 
 def write_latest(root: Path, checkpoint: Path) -> None:

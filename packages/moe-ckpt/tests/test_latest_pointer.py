@@ -1,0 +1,61 @@
+"""`latest` naming a checkpoint that is no longer there: the run resolves to an older step, with a warning naming
+both (before moe-ckpt 0.21.3 it rolled back without a word)."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from moe_ckpt import ShardSpec, find_latest, load_checkpoint, save_checkpoint, step_dir
+
+
+def _save(root, step):
+    save_checkpoint(step_dir(root, step), [ShardSpec("w", (3,), torch.full((3,), float(step)), writer=True)],
+                    {"step": step}, 0, 1, None)
+
+
+def _resolve_quietly(root):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return find_latest(root)
+
+
+def test_a_pointer_to_a_deleted_checkpoint_warns_and_names_the_older_step(tmp_path):
+    _save(tmp_path, 1)
+    _save(tmp_path, 2)
+    assert (tmp_path / "latest").read_text().strip() == "step-00000002"
+    shutil.rmtree(step_dir(tmp_path, 2))
+    with pytest.warns(UserWarning, match=r"latest names step-00000002, which is not a committed checkpoint.*"
+                                         r"resolving to step-00000001"):
+        found = find_latest(tmp_path)
+    assert found == step_dir(tmp_path, 1)
+    assert load_checkpoint(found)["w"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_a_pointer_to_a_checkpoint_that_lost_its_index_warns(tmp_path):
+    _save(tmp_path, 1)
+    _save(tmp_path, 2)
+    (step_dir(tmp_path, 2) / "index.json").unlink()
+    with pytest.warns(UserWarning, match="step-00000002.*resolving to step-00000001"):
+        assert find_latest(tmp_path) == step_dir(tmp_path, 1)
+
+
+def test_a_pointer_to_nothing_left_says_there_is_nothing(tmp_path):
+    _save(tmp_path, 1)
+    shutil.rmtree(step_dir(tmp_path, 1))
+    with pytest.warns(UserWarning, match="no committed checkpoint to resolve to"):
+        assert find_latest(tmp_path) is None
+
+
+def test_a_sound_pointer_a_pointer_one_behind_and_no_pointer_resolve_quietly(tmp_path):
+    assert _resolve_quietly(tmp_path) is None
+    _save(tmp_path, 1)
+    assert _resolve_quietly(tmp_path) == step_dir(tmp_path, 1)
+    _save(tmp_path, 2)
+    (tmp_path / "latest").write_text("step-00000001\n")  # a crash between the rename and the pointer update
+    assert _resolve_quietly(tmp_path) == step_dir(tmp_path, 2)
+    (tmp_path / "latest").unlink()
+    assert _resolve_quietly(tmp_path) == step_dir(tmp_path, 2)
