@@ -428,4 +428,4 @@ def _check_finite(path: Path, name: str, region: Region, data: torch.Tensor) -> 
         raise NonFiniteTensorError(
             f"tensor {name!r} in {path}: {describe(region)} holds {nan} NaN and {total - nan} Inf of "
             f"{data.numel()} values (first at flat index {int(bad.reshape(-1).nonzero()[0])} of that region); "
-            "expected finite values: this checkpoint is not a valid resume point, resume from an earlier one")
+            "expected finite values: nothing can start from this checkpoint's weights; use an earlier checkpoint")
