@@ -63,7 +63,7 @@ def save_checkpoint(
     keep_last_n: after committing, keep only the newest n checkpoints beside `path`.
     """
     path = Path(path)
-    rank, world_size = as_index(rank, "rank"), as_index(world_size, "world_size")  # a launcher's rank read as a str is refused
+    rank, world_size = as_index(rank, "rank"), as_index(world_size, "world_size")  # a rank given as a str is refused
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside [0, world_size={world_size})")
     if world_size > 1 and barrier is None:
