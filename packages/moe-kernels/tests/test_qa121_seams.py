@@ -203,6 +203,9 @@ def test_straight_through_int8_codec_gives_x_the_gradient_of_the_rows():
                                rtol=1e-5, atol=1e-6)
 
 
+_LEARNED_SCALE = torch.full((), 0.125, requires_grad=True)
+
+
 class Codec:
     def __init__(self, encode, decode):
         self.encode, self.decode = encode, decode
@@ -216,6 +219,11 @@ BAD_CODECS = {
     "decode returns a list": (Codec(lambda r: r, lambda p: [p]), "codec.decode"),
     "an int8 bit pattern cuts the graph": (Codec(lambda r: (r * 8).round().to(torch.int8),
                                                  lambda p: p.float() / 8), "cut the autograd graph"),
+    # decode's learnable scale requires grad, hiding the cut from a check of decode's output alone (moe-kernels
+    # <= 0.9.11: x got no gradient, the scale all of it; AllToAllDispatcher refused it already)
+    "an int8 bit pattern behind a learnable decode": (
+        Codec(lambda r: (r * 8).round().to(torch.int8), lambda p: p.float() * _LEARNED_SCALE),
+        r"codec\.encode\(rows\) does not require grad though x does"),
 }
 
 

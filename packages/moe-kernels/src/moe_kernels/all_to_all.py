@@ -91,9 +91,14 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
-    """x: [sum(in_splits), ...] -> [sum(out_splits), ...]."""
+    """x: [sum(in_splits), ...] -> [sum(out_splits), ...]. One-byte floats (fp8 payloads and their gradients) travel
+    as their bytes: gloo refuses those dtypes ("Invalid scalar type"), and the exchange only moves bytes."""
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    if x.dtype.is_floating_point and x.dtype.itemsize == 1:
+        dist.all_to_all_single(out.view(torch.uint8), x.contiguous().view(torch.uint8), out_splits, in_splits,
+                               group=group)
+    else:
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     return out
 
 

@@ -131,7 +131,8 @@ class LocalDispatcher:
         rows = permute(x, route_map)
         payload = self.codec.encode(rows)
         check_payload_rows(payload, route_map.num_rows)
-        decoded = self.codec.decode(payload)
+        require_graph_kept(rows, payload, "codec.encode(rows)")  # as AllToAllDispatcher: decode's own parameters
+        decoded = self.codec.decode(payload)                     # must not hide a payload cut off from x
         check_decoded_rows(decoded, route_map.num_rows, x.shape[1])
         require_graph_kept(rows, decoded, "codec.decode(codec.encode(rows))")
         return DispatchResult(decoded, route_map.offsets, route_map, torch.zeros((), dtype=torch.int64, device=x.device))

@@ -33,8 +33,9 @@ if triton is not None:
 def upcast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t cast to `dtype`: a new tensor, exactly `t.to(dtype)`; a contiguous bf16/fp16 CUDA tensor going to
     fp32 through the Triton kernel (every value of those formats is exact in fp32, so it is the same cast)."""
-    fast = (
-        triton is not None and t.is_cuda and t.is_contiguous() and dtype == torch.float32
+    fast = (  # a plain tensor only: a DTensor or a torch.func wrapper reports shapes and strides its storage lacks
+        triton is not None and type(t) is torch.Tensor and not torch._C._are_functorch_transforms_active()
+        and t.is_cuda and t.is_contiguous() and dtype == torch.float32
         and t.dtype in (torch.bfloat16, torch.float16) and t.numel() > 0
     )
     if not fast:
@@ -47,16 +48,29 @@ def upcast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _CastWeight(torch.autograd.Function):
+    """w.to(dtype) with upcast() as its backward; torch.func (grad, vmap, jvp) and forward-mode AD run through it as
+    through `.to()` (setup_context, a generated vmap rule, a jvp: the tangent cast as the value is)."""
+
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        ctx.source_dtype = w.dtype
+    def forward(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return w.to(dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+        w, dtype = inputs
+        ctx.source_dtype, ctx.dtype = w.dtype, dtype
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         if torch.is_grad_enabled():  # a double backward (create_graph): torch's cast, which autograd records
             return grad.to(ctx.source_dtype), None
         return upcast(grad.contiguous(), ctx.source_dtype), None
+
+    @staticmethod
+    def jvp(ctx, w_tangent: torch.Tensor, _dtype: None) -> torch.Tensor:
+        return w_tangent.to(ctx.dtype)
 
 
 def cast_weight(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

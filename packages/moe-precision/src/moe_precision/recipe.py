@@ -47,11 +47,18 @@ class PrecisionRecipe:
         gradient cast back to w's dtype by a fast kernel (cast.cast_weight)."""
         return cast_weight(w, self.expert_gemm_dtype(x))
 
+    def gemm_input(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows x as the expert GEMMs consume them: cast to expert_gemm_dtype (autocast casts no grouped GEMM's
+        input, so fp32 rows under bf16 autocast, e.g. a codec's decode, would meet bf16 weights), differentiable."""
+        dtype = self.expert_gemm_dtype(x)
+        return x if x.dtype == dtype else x.to(dtype)
+
     def expert_ffn(self, rows: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, offsets: torch.Tensor,
                    backend: str = "auto") -> torch.Tensor:
         """The SwiGLU expert FFN over dispatched rows [N, d] in expert order (offsets: each expert's end row)
-        -> [N, d]: moe_kernels.swiglu_experts, with both weights as this recipe's GEMMs consume them."""
+        -> [N, d]: moe_kernels.swiglu_experts, with the rows and both weights as this recipe's GEMMs consume them."""
         _require_tensors(rows=(rows, "[N, d]"), w_gate_up=(w_gate_up, "[E, d, 2h]"), w_down=(w_down, "[E, h, d]"))
+        rows = self.gemm_input(rows)
         return swiglu_experts(rows, self.gemm_weight(w_gate_up, rows), self.gemm_weight(w_down, rows), offsets,
                               backend)
 
@@ -61,6 +68,7 @@ class PrecisionRecipe:
         expert FFN, combine with router_weights [T, k] -> [T, d] (moe_kernels.moe_ffn, the gather and the
         combine fused into the GEMMs), with both weights as this recipe's GEMMs consume them."""
         _require_tensors(x=(x, "[T, d]"), w_gate_up=(w_gate_up, "[E, d, 2h]"), w_down=(w_down, "[E, h, d]"))
+        x = self.gemm_input(x)
         return moe_ffn(x, route_map, router_weights, self.gemm_weight(w_gate_up, x), self.gemm_weight(w_down, x),
                        backend)
 
