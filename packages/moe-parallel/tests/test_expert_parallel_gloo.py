@@ -148,7 +148,7 @@ def layouts_case(rank: int) -> dict:
             res[f"{name}.{what}"] = (g - ref[what]).abs().max().item() / ref[what].abs().max().item()
         res[f"{name}.codec_kept"] = model.dispatcher.codec is codec
         res[f"{name}.codec_calls"] = codec.calls
-        res[f"{name}.lb_group_is_dp"] = model.router.lb_group is groups.dp
+        res[f"{name}.lb_group_is_dp_forward"] = model.router.lb_group is groups.dp_forward is not None
         if transport is not None:
             res[f"{name}.transport_calls"] = model.dispatcher.calls
     return res
@@ -194,7 +194,7 @@ def test_apply_expert_parallel_keeps_the_layers_payload_codec(results, layout):
     for r, res in enumerate(results):
         assert res[f"{layout}.codec_kept"], f"rank {r}: the layer's codec was replaced"
         assert res[f"{layout}.codec_calls"] == 1, f"rank {r}: codec ran {res[f'{layout}.codec_calls']} times"
-        assert res[f"{layout}.lb_group_is_dp"]
+        assert res[f"{layout}.lb_group_is_dp_forward"]  # the dp ranks, a group apart from GradientSync's (QA 146)
 
 
 def test_a_transport_of_its_own_is_built_with_the_layers_settings_and_runs_the_exchange(results):

@@ -130,6 +130,8 @@ class FlatParams:
                 if self.shard else self.grad_buffer[b.start : b.start + b.numel]
             )
         self._hooks = [slot.param.register_post_accumulate_grad_hook(self._make_hook(slot)) for slot in self.slots]
+        if self.grads_bound:
+            self._hooks += [slot.param.register_hook(self._make_bind_hook(slot)) for slot in self.slots if slot.numel]
         self.zero_grads()
 
     def _make_hook(self, slot: ParamSlot):  # noqa: ANN202
@@ -157,16 +159,39 @@ class FlatParams:
                 flat.grad_view(slot).add_(param.grad)
                 param.grad = None
             elif slot.numel and param.grad.data_ptr() != grad_ptr:
-                # .grad was set to None (model.zero_grad(), torch's default set_to_none) and autograd made a new
-                # one: it holds the gradient since then, which the buffer must hold (else it is never reduced). Added
-                # to what the step's earlier micro-batches left there, as the separate fp32 buffer keeps them (QA 136:
-                # copied over it, a zero_grad between micro-batches dropped them in this mode only)
+                # autograd replaced the bound view out of place (backward(create_graph=True) sums view + new into a
+                # new tensor): the bind hook had .grad bound to the view before the accumulation, so the new tensor
+                # holds the view's gradient too, and is copied over it (added, the earlier micro-batches counted twice)
                 view = flat.grad_view(slot)
-                view.add_(param.grad)
+                with torch.no_grad():  # create_graph runs the hook in grad mode: the buffer stays out of the graph
+                    view.copy_(param.grad)
                 param.grad = view
             slot.has_grad = True
 
         return hook
+
+    def _make_bind_hook(self, slot: ParamSlot):  # noqa: ANN202
+        """A hook on the gradient before autograd accumulates it (same-dtype case): .grad bound to the buffer view.
+        .grad set to None since (model.zero_grad(), torch's default set_to_none): the view, keeping what the step's
+        earlier micro-batches left there, as the separate fp32 buffer keeps them (QA 136). A tensor set as .grad
+        (p.grad = p.grad * mask): copied into the view first, so it is the gradient so far, as with torch."""
+        flat_ref = weakref.ref(self)  # weak, as _make_hook's
+        index = slot.index
+        grad_ptr = self.grad_buffer.data_ptr() + slot.start * self.grad_buffer.element_size()
+
+        def bind(grad: torch.Tensor) -> None:
+            flat = flat_ref()
+            if flat is None:
+                return
+            param = flat.slots[index].param
+            if param.grad is None or param.grad.data_ptr() != grad_ptr:
+                view = flat.grad_view(flat.slots[index])
+                if param.grad is not None:
+                    with torch.no_grad():
+                        view.copy_(param.grad)
+                param.grad = view
+
+        return bind
 
     def remove_hooks(self) -> None:
         """At the end of training: gradients stop reaching the fp32 buffer and being recorded."""

@@ -19,7 +19,12 @@ class ParallelGroups:
     ep:  expert parallelism (token rows travel here)
     edp: expert data parallelism (expert gradients are reduced here; size dp / ep)
     pp:  pipeline stages (same dp_rank, one rank per stage)
-    world: every rank (global norms, metrics)
+    world: every rank (global norms, metrics), with build_groups' timeout
+    dp_forward: the dp ranks in a communicator of their own, for collectives inside the model's forward (the
+        router's load-balance counts). Activation checkpointing re-runs those during backward while GradientSync's
+        reductions are in flight on dp; on one group the two kinds would pair up out of order across ranks (a rank
+        that launched a bucket early, a parameter unused there, against one that holds it until finish()).
+        None in groups built by hand: the forward's collectives then share dp.
     """
 
     layout: ParallelLayout
@@ -29,6 +34,7 @@ class ParallelGroups:
     edp: dist.ProcessGroup
     pp: dist.ProcessGroup
     world: dist.ProcessGroup
+    dp_forward: dist.ProcessGroup | None = None
 
     @property
     def rank(self) -> int:
@@ -39,7 +45,8 @@ def build_groups(layout: ParallelLayout, num_experts: int, timeout: timedelta | 
     """Create every group of `layout` with torch.distributed.new_group; call on every rank.
 
     The default process group must be initialised with world_size == layout.world_size.
-    timeout: how long a collective on these groups may wait before it fails (torch's default when None).
+    timeout: how long a collective on these groups may wait before it fails (torch's default when None); `world`
+    is then a group of every rank made with it, not the default group (whose timeout init_process_group set).
     new_group is collective over the world, so every rank creates every group in the same order
     and keeps the ones that contain it.
     """
@@ -61,9 +68,11 @@ def build_groups(layout: ParallelLayout, num_experts: int, timeout: timedelta | 
         ("ep", layout.ep_groups()),
         ("edp", layout.edp_groups()),
         ("pp", layout.pp_groups()),
+        ("dp_forward", layout.dp_groups()),
     ):
         for ranks in rank_lists:
             group = dist.new_group(ranks, timeout=timeout)
             if coords.rank in ranks:
                 mine[kind] = group
-    return ParallelGroups(layout, coords, mine["dp"], mine["ep"], mine["edp"], mine["pp"], dist.group.WORLD)
+    world = dist.group.WORLD if timeout is None else dist.new_group(list(range(world_size)), timeout=timeout)
+    return ParallelGroups(layout, coords, mine["dp"], mine["ep"], mine["edp"], mine["pp"], world, mine["dp_forward"])

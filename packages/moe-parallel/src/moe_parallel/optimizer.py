@@ -44,8 +44,9 @@ from moe_parallel.optimizer_state import OptimizerStatePiece, state_pieces
 
 @dataclass
 class AdamWConfig:
-    """Checked on construction (a ValueError names the value): beta1 = 1 would divide by a zero bias
-    correction and eps = 0 would divide 0 by 0 for a zero gradient, both turning weights into NaN."""
+    """Checked on construction and again at every DistributedAdamW.step (a field assigned since is checked too; a
+    ValueError names the value): beta1 = 1 would divide by a zero bias correction and eps = 0 would divide 0 by 0
+    for a zero gradient, both turning weights into NaN."""
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.95)
@@ -54,6 +55,9 @@ class AdamWConfig:
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still computed and reported)
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
         _check_lr(self.lr, "AdamWConfig: lr")
         if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2 or not all(
             _is_real(b) and 0 <= b < 1 for b in self.betas
@@ -209,9 +213,10 @@ class DistributedAdamW:
         return t
 
     @torch.no_grad()
-    def _norm_and_received(self) -> tuple[float, list[list[bool]]]:
-        """The global norm, and per flat and slot whether any rank gave the parameter a gradient (one all-reduce)."""
-        flags = torch.tensor([float(slot.has_grad) for flat in self.flats for slot in flat.slots],
+    def _norm_and_received(self, refuse: bool = False) -> tuple[float, list[list[bool]], bool]:
+        """The global norm, per flat and slot whether any rank gave the parameter a gradient, and whether any rank
+        refuses the step (`refuse` on this one): one all-reduce."""
+        flags = torch.tensor([float(slot.has_grad) for flat in self.flats for slot in flat.slots] + [float(refuse)],
                              dtype=self._norm_dtype, device=self.flats[0].param_buffer.device)
         both = torch.cat([self._local_squared_norm().view(1), flags])
         self._reduce_over_world(both)[0].sqrt_()
@@ -220,7 +225,7 @@ class DistributedAdamW:
         for flat in self.flats:
             received.append([v > 0 for v in values[at : at + len(flat.slots)]])
             at += len(flat.slots)
-        return values[0], received
+        return values[0], received, values[-1] > 0
 
     @torch.no_grad()
     def step(self, lr: float | None = None) -> OptimizerStepResult:
@@ -230,7 +235,12 @@ class DistributedAdamW:
         """
         cfg = self.cfg
         lr = cfg.lr if lr is None else lr
-        _check_lr(lr, "DistributedAdamW.step: lr")
+        try:  # refused on every rank, through the norm's all-reduce: raised here alone, the others would wait in it
+            cfg.validate()
+            _check_lr(lr, "DistributedAdamW.step: lr")
+            refusal = None
+        except ValueError as err:
+            refusal = err
         stale = [i for i, flat in enumerate(self.flats) if not flat.reduced]
         if stale:
             raise RuntimeError(
@@ -238,10 +248,14 @@ class DistributedAdamW:
                 "GradientSync.finish() after the last micro-batch's backward, then one step(), then zero_grads() "
                 "(a step without it would read the last step's gradients again, or uninitialised memory)"
             )
+        norm_value, received, refused = self._norm_and_received(refusal is not None)
+        if refused:  # nothing changed: the gradients stay reduced for a step with a valid lr and config
+            raise refusal if refusal is not None else ValueError(
+                f"DistributedAdamW.step: another rank refused its lr or AdamWConfig (its error names the value; "
+                f"this rank's lr={lr!r}); no rank updated its weights")
         for flat in self.flats:  # this step consumes them: a second step() before the next finish() is refused
             flat.reduced = False
             flat.stepped = True  # and the next step's first backward wants them cleared by zero_grads()
-        norm_value, received = self._norm_and_received()
         if not math.isfinite(norm_value):
             self.skipped_steps += 1
             return OptimizerStepResult(norm_value, True)

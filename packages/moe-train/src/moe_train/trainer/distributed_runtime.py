@@ -51,7 +51,8 @@ class DistributedRuntime:
         # owns_world=False: the default process group is the caller's (initialised before make_runtime), so close()
         # destroys only the groups this runtime's run made and leaves the caller's world working
         self.owns_world = owns_world
-        self.made_groups = [groups.dp, groups.ep, groups.edp, groups.pp]
+        self.made_groups = [g for g in (groups.dp, groups.ep, groups.edp, groups.pp, groups.dp_forward, groups.world)
+                            if g is not None]
         self.device = device
         self.groups = groups
         self.param_dtype = param_dtype
@@ -111,7 +112,8 @@ class DistributedRuntime:
         if self.groups.layout.ep != 1:
             raise ValueError(f"parallel.strategy='fsdp' is the dense-sharding baseline: expected ep=1, got ep={self.groups.layout.ep}")
         for _, layer in moe_layers(model):
-            layer.router.lb_group = self.groups.dp
+            # not FSDP's own dp group when there is another: a checkpoint recompute re-runs it during backward
+            layer.router.lb_group = self.groups.dp_forward if self.groups.dp_forward is not None else self.groups.dp
         apply_fsdp(model, self.groups.dp, self.device.type)
         if getattr(model, "loss_chunk_tokens", 0):
             # the chunked Transformer.loss_terms (which loss calls) runs the model's parts itself (the head's GEMM
