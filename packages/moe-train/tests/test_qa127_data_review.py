@@ -82,6 +82,19 @@ def test_inspect_warns_of_a_split_shorter_than_the_window_of_the_command_it_prin
             "first step; prepare it with a larger --eval-fraction or more text") in captured.err
 
 
+def test_prepare_data_and_inspect_name_both_splits_when_both_are_short(tmp_path, capsys):
+    """A one-line corpus: both splits are shorter than a window. Only the train split was named (review helper 151),
+    and its suggested fix then stopped the run on the eval split."""
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "one.txt").write_text("a tiny corpus\n")
+    out = tmp_path / "data"
+    assert main(["prepare-data", str(tmp_path / "c"), "--out", str(out), "--vocab-size", "300"]) == 0
+    assert main(["inspect", str(out)]) == 0
+    err = capsys.readouterr().err
+    for split in ("train", "eval"):
+        assert err.count(f"the {split} split holds ") == 2, err
+
+
 def test_prepare_data_does_not_warn_where_both_splits_hold_a_window(tmp_path, corpus, capsys):
     assert main(["prepare-data", str(corpus), "--out", str(tmp_path / "d"), "--vocab-size", "300",
                  "--eval-fraction", "0.3"]) == 0

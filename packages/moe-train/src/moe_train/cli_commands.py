@@ -105,16 +105,15 @@ def _warn_of_a_split_shorter_than_a_window(train_tokens: int, eval_tokens: int,
 
     window = build_config(None, None, {}).data.seq_len + 1
     was = f" (it was {eval_fraction!r})" if eval_fraction is not None else ""
-    if train_tokens < window:
-        name, count, fix = "train", train_tokens, (f"prepare it with more text or a smaller --eval-fraction{was}, "
-                                                   "or train with a shorter --data.seq_len")
-    elif eval_tokens < window:
-        name, count, fix = "eval", eval_tokens, (f"prepare it with a larger --eval-fraction{was} or more text, or "
-                                                 "train with a shorter --data.seq_len or --train.eval_interval=0")
-    else:
-        return
-    warnings.warn(f"the {name} split holds {count:,} token{'' if count == 1 else 's'}, fewer than one window of "
-                  f"data.seq_len+1={window}: a run on it stops before its first step; {fix}", stacklevel=2)
+    short = [(name, count, fix) for name, count, fix in (
+        ("train", train_tokens, f"prepare it with more text or a smaller --eval-fraction{was}, "
+                                "or train with a shorter --data.seq_len"),
+        ("eval", eval_tokens, f"prepare it with a larger --eval-fraction{was} or more text, or "
+                              "train with a shorter --data.seq_len or --train.eval_interval=0"),
+    ) if count < window]  # each split named: a fix for one alone would stop the run on the other
+    for name, count, fix in short:
+        warnings.warn(f"the {name} split holds {count:,} token{'' if count == 1 else 's'}, fewer than one window of "
+                      f"data.seq_len+1={window}: a run on it stops before its first step; {fix}", stacklevel=2)
 
 
 def _holds_checkpoint(folder) -> bool:
