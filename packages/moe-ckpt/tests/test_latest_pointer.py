@@ -59,3 +59,17 @@ def test_a_sound_pointer_a_pointer_one_behind_and_no_pointer_resolve_quietly(tmp
     assert _resolve_quietly(tmp_path) == step_dir(tmp_path, 2)
     (tmp_path / "latest").unlink()
     assert _resolve_quietly(tmp_path) == step_dir(tmp_path, 2)
+
+
+@pytest.mark.parametrize("damage", ["binary", "folder"])
+def test_a_damaged_pointer_is_ignored_with_a_warning(tmp_path, damage):
+    """0.21.3 as first written read the pointer on every resolution and raised UnicodeDecodeError / IsADirectoryError
+    over a pointer it does not need (review helper 153)."""
+    _save(tmp_path, 1)
+    (tmp_path / "latest").unlink()
+    if damage == "binary":
+        (tmp_path / "latest").write_bytes(b"\xff\xfe\x00garbage")
+    else:
+        (tmp_path / "latest").mkdir()
+    with pytest.warns(UserWarning, match="cannot be read as a pointer.*resolving to step-00000001"):
+        assert find_latest(tmp_path) == step_dir(tmp_path, 1)

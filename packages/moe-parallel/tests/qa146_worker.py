@@ -121,17 +121,20 @@ def replaced_grads(rank: int, world: int) -> dict:
     """fp32 weights (grads bound to the flat buffer): p.grad replaced out of place between two micro-batches, and
     backward(create_graph=True); the buffer's sum against the same sum computed by hand on one process."""
     out = {}
-    for case in ("scaled", "create_graph"):
+    for case in ("scaled", "create_graph", "scaled_then_unused"):
         groups, model, flat, sync, opt = setup(world, shard=False)  # all-reduced in place: the buffer is the mean
         for micro in range(2):
             sync.begin_backward(final=micro == 1)
-            loss = model.loss(*micro_batch(micro, rank, world), use_branch=True, checkpointed=False) / 2
+            use_branch = micro == 0 or case != "scaled_then_unused"  # then: no gradient reaches the branch again
+            loss = model.loss(*micro_batch(micro, rank, world), use_branch=use_branch, checkpointed=False) / 2
             loss.backward(create_graph=case == "create_graph")
-            if case == "scaled" and micro == 0:
+            if case.startswith("scaled") and micro == 0:
                 model.head.weight.grad = model.head.weight.grad * 0.25
+                model.branch.weight.grad = model.branch.weight.grad * 0.25
         sync.finish()
         names = [s.name for s in flat.slots]
-        out[case] = {s.name: flat.grad_view(s).clone() for s in flat.slots if s.name in ("head.weight", "inp.weight")}
+        out[case] = {s.name: flat.grad_view(s).clone() for s in flat.slots
+                     if s.name in ("head.weight", "inp.weight", "branch.weight")}
         assert "head.weight" in names
         for p in model.parameters():  # create_graph: break the parameter / gradient cycle torch warns about
             p.grad = None
@@ -140,10 +143,14 @@ def replaced_grads(rank: int, world: int) -> dict:
     for micro in range(2):
         ref = Net()
         (ref.loss(*micro_batch(micro, None, world), use_branch=True, checkpointed=False) / 2).backward()
-        per_micro.append({"head.weight": ref.head.weight.grad, "inp.weight": ref.inp.weight.grad})
+        per_micro.append({"head.weight": ref.head.weight.grad, "inp.weight": ref.inp.weight.grad,
+                          "branch.weight": ref.branch.weight.grad})
+    scale = {"head.weight": 0.25, "branch.weight": 0.25, "inp.weight": 1.0}
     out["want"] = {
-        "scaled": {n: (0.25 if n == "head.weight" else 1.0) * per_micro[0][n] + per_micro[1][n] for n in per_micro[0]},
+        "scaled": {n: scale[n] * per_micro[0][n] + per_micro[1][n] for n in per_micro[0]},
         "create_graph": {n: per_micro[0][n] + per_micro[1][n] for n in per_micro[0]},
+        # the branch's scaled gradient alone: the last micro-batch never reached it, so only finish() takes it in
+        "scaled_then_unused": {"branch.weight": 0.25 * per_micro[0]["branch.weight"]},
     }
     return out
 

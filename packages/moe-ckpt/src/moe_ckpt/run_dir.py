@@ -104,7 +104,13 @@ def find_latest(root: str | Path) -> Path | None:
     root = Path(root)
     found = list_checkpoints(root)
     newest = found[-1] if found else None
-    pointer = read_latest(root) if root.is_dir() else None
+    try:
+        pointer = read_latest(root) if root.is_dir() else None
+    except (UnicodeDecodeError, IsADirectoryError):  # a damaged pointer, which resolution does not need (I/O raises)
+        warnings.warn(f"{root / LATEST} cannot be read as a pointer (not UTF-8 text, or a folder): ignored; "
+                      + (f"resolving to {newest.name}, the newest committed checkpoint" if newest is not None
+                         else "there is no committed checkpoint"), stacklevel=2)
+        pointer = None
     if pointer is not None and pointer not in found:
         warnings.warn(f"{root / LATEST} names {pointer.name}, which is not a committed checkpoint of this run "
                       "(deleted, moved, or its index.json lost): "

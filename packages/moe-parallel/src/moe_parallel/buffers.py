@@ -156,7 +156,8 @@ class FlatParams:
                     "then FlatParams"
                 )
             if not flat.grads_bound:  # fp32 accumulation of a lower-precision gradient
-                flat.grad_view(slot).add_(param.grad)
+                with torch.no_grad():  # create_graph runs the hook in grad mode: the buffer stays out of the graph
+                    flat.grad_view(slot).add_(param.grad)
                 param.grad = None
             elif slot.numel and param.grad.data_ptr() != grad_ptr:
                 # autograd replaced the bound view out of place (backward(create_graph=True) sums view + new into a
@@ -222,6 +223,23 @@ class FlatParams:
         if self.grads_bound:
             for slot in self.slots:
                 slot.param.grad = self.grad_view(slot)
+
+    def take_set_grads(self, slots: list[ParamSlot] | None = None) -> None:
+        """Bound mode: a .grad set since (None from model.zero_grad(), or a tensor: p.grad = p.grad * mask) taken into
+        the buffer, the view bound again: None keeps the buffer's gradient so far, a tensor replaces it. Run before a
+        micro-batch's backward and by finish() for the buckets it launches (a parameter the last backward did not
+        reach, whose bind hook never ran)."""
+        if not self.grads_bound:
+            return
+        base, size = self.grad_buffer.data_ptr(), self.grad_buffer.element_size()
+        for slot in self.slots if slots is None else slots:
+            p = slot.param
+            if slot.numel and (p.grad is None or p.grad.data_ptr() != base + slot.start * size):
+                view = self.grad_view(slot)
+                if p.grad is not None:
+                    with torch.no_grad():
+                        view.copy_(p.grad)
+                p.grad = view
 
     def require_in_buffer(self) -> None:
         """Raise naming the first parameter whose data is no longer its view of the flat buffer (rebound, reshaped or

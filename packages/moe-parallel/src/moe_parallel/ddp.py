@@ -121,6 +121,7 @@ class GradientSync:
             )
         for flat in self.flats:  # before autograd meets a parameter reshaped or rebound since FlatParams was built
             flat.require_in_buffer()
+            flat.take_set_grads()
         self.final = final
         if final:
             self._arm()
@@ -175,6 +176,7 @@ class GradientSync:
             )
         for i, flat in enumerate(self.flats):
             for bucket in flat.buckets[self._next[i] :]:
+                flat.take_set_grads(bucket.slots)  # a .grad set since of a parameter the last backward did not reach
                 self._launch(flat, bucket)
             self._next[i] = len(flat.buckets)
         for flat in self.flats:

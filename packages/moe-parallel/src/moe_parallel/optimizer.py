@@ -234,12 +234,13 @@ class DistributedAdamW:
         Call after GradientSync.finish(), once per finish(); the gradient buffers are left for the caller to zero.
         """
         cfg = self.cfg
-        lr = cfg.lr if lr is None else lr
         try:  # refused on every rank, through the norm's all-reduce: raised here alone, the others would wait in it
+            _require_config(cfg)
+            lr = cfg.lr if lr is None else lr
             cfg.validate()
             _check_lr(lr, "DistributedAdamW.step: lr")
             refusal = None
-        except ValueError as err:
+        except Exception as err:  # noqa: BLE001 - any refusal (a TypeError, an OverflowError): raised below, every rank
             refusal = err
         stale = [i for i, flat in enumerate(self.flats) if not flat.reduced]
         if stale:
