@@ -178,19 +178,11 @@ class FlatParams:
         (p.grad = p.grad * mask): copied into the view first, so it is the gradient so far, as with torch."""
         flat_ref = weakref.ref(self)  # weak, as _make_hook's
         index = slot.index
-        grad_ptr = self.grad_buffer.data_ptr() + slot.start * self.grad_buffer.element_size()
 
         def bind(grad: torch.Tensor) -> None:
             flat = flat_ref()
-            if flat is None:
-                return
-            param = flat.slots[index].param
-            if param.grad is None or param.grad.data_ptr() != grad_ptr:
-                view = flat.grad_view(flat.slots[index])
-                if param.grad is not None:
-                    with torch.no_grad():
-                        view.copy_(param.grad)
-                param.grad = view
+            if flat is not None:
+                flat.take_set_grads([flat.slots[index]])
 
         return bind
 
