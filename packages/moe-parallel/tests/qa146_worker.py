@@ -155,6 +155,24 @@ def replaced_grads(rank: int, world: int) -> dict:
     return out
 
 
+def unbound_create_graph(rank: int, world: int) -> dict:
+    """bf16 weights, fp32 gradients (the hook adds each .grad into the fp32 buffer): backward(create_graph=True) ran
+    the add in grad mode, putting the buffer into the graph: unsharded, finish()'s in-place average raised 'a leaf
+    Variable that requires grad is being used in an in-place operation' (review helper 153)."""
+    groups = build_groups(ParallelLayout(dp=world), E)
+    model = Net().to(torch.bfloat16)
+    apply_expert_parallel(model, groups)
+    flat = FlatParams(list(model.named_parameters()), groups.dp, shard=False, grad_dtype=torch.float32)
+    sync = GradientSync([flat], divisor=world)
+    for micro in range(2):
+        sync.begin_backward(final=micro == 1)
+        x, y = micro_batch(micro, rank, world)
+        (model.loss(x.bfloat16(), y, use_branch=True, checkpointed=False) / 2).backward(create_graph=True)
+    sync.finish()
+    return {"buffer_in_graph": flat.grad_buffer.requires_grad or flat.grad_buffer.grad_fn is not None,
+            "finite": bool(torch.isfinite(flat.grad_buffer).all()), "nonzero": bool(flat.grad_buffer.abs().sum() > 0)}
+
+
 def refused_step(rank: int, world: int) -> dict:
     """A non-finite lr, then an AdamWConfig field assigned an invalid value, on rank 1 only: every rank raises, none
     updates; the next valid step runs on the same reduced gradients."""

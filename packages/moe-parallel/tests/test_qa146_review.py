@@ -57,6 +57,11 @@ def test_a_replaced_grad_is_the_gradient_so_far_not_added_to_it(tmp_path):
                 assert torch.allclose(r[case][name], want, rtol=1e-5, atol=1e-6), (case, name, gap)
 
 
+def test_create_graph_with_a_separate_fp32_gradient_buffer_keeps_the_buffer_out_of_the_graph(tmp_path):
+    for r in _run("unbound_create_graph", tmp_path):
+        assert not r["buffer_in_graph"] and r["finite"] and r["nonzero"], r
+
+
 def test_a_bad_lr_or_config_on_one_rank_is_refused_on_every_rank_and_nothing_moves(tmp_path):
     rank0, rank1 = _run("refused_step", tmp_path)
     assert "lr=nan must be a finite number" in rank1["lr"]
