@@ -73,3 +73,16 @@ def test_a_damaged_pointer_is_ignored_with_a_warning(tmp_path, damage):
         (tmp_path / "latest").mkdir()
     with pytest.warns(UserWarning, match="cannot be read as a pointer.*resolving to step-00000001"):
         assert find_latest(tmp_path) == step_dir(tmp_path, 1)
+
+
+def test_a_pointer_to_a_checkpoint_saved_under_another_name_says_runs_resolve_to_step_names(tmp_path):
+    """A save to run/final moves `latest` to it; 0.21.4 then warned that final was deleted or moved (review helper
+    153): the warning now says it is there, and why the run resolves to a step folder instead."""
+    _save(tmp_path, 1)
+    save_checkpoint(tmp_path / "final", [ShardSpec("w", (3,), torch.full((3,), 9.0), writer=True)], {"step": 9}, 0, 1,
+                    None)
+    assert (tmp_path / "latest").read_text().strip() == "final"
+    with pytest.warns(UserWarning, match=r"latest names final, a committed checkpoint, but runs resolve only to "
+                                         r"folders named as step_dir names them \(resolving to step-00000001") as seen:
+        assert find_latest(tmp_path) == step_dir(tmp_path, 1)
+    assert not any("deleted" in str(w.message) for w in seen)

@@ -216,6 +216,20 @@ def late_rank_at_the_step(rank: int, world: int) -> dict:
             "world_is_default": groups.world is dist.group.WORLD}
 
 
+def late_rank_at_build_groups(rank: int, world: int) -> dict:
+    """build_groups(timeout=2 s) with rank 1 arriving 6 s late: before moe-parallel 0.13.3 its agreement check ran on
+    the default group and rank 0 waited init_process_group's timeout (60 s here)."""
+    if rank == 1:
+        time.sleep(6)
+    start = time.monotonic()
+    try:
+        build_groups(ParallelLayout(dp=world), E, timeout=timedelta(seconds=2))
+        outcome = "built"
+    except RuntimeError as err:
+        outcome = f"RuntimeError: {str(err)[:200]}"
+    return {"outcome": outcome, "waited_s": time.monotonic() - start}
+
+
 def run_rank(rank: int, world: int, port: int, out_dir: str, case: str) -> None:
     res: dict = {}
     try:

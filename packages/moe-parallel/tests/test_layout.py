@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_parallel import ParallelLayout
+from moe_parallel import ParallelGroups, ParallelLayout
 
 
 def test_layout_folds_expert_parallelism_inside_data_parallelism():
@@ -51,7 +51,7 @@ def test_expert_names_of_a_model_that_is_itself_the_moe_layer_match_its_paramete
     from torch import nn
 
     from moe_kernels import LocalDispatcher
-    from moe_parallel import ParallelGroups, apply_expert_parallel, expert_parameter_names
+    from moe_parallel import apply_expert_parallel, expert_parameter_names
 
     class Experts(nn.Module):
         def __init__(self):
@@ -70,3 +70,11 @@ def test_expert_names_of_a_model_that_is_itself_the_moe_layer_match_its_paramete
     shards = apply_expert_parallel(layer, groups)
     names = {n for n, _ in layer.named_parameters()}
     assert set(shards) == expert_parameter_names(layer) == {"experts.w"} and set(shards) <= names
+
+
+def test_forward_group_is_dp_forward_and_falls_back_to_dp_in_groups_built_by_hand():
+    layout = ParallelLayout()
+    dp, dp_forward = object(), object()  # stand-ins: the property only chooses between them
+    by_hand = ParallelGroups(layout, layout.coords(0), dp, None, None, None, None)
+    built = ParallelGroups(layout, layout.coords(0), dp, None, None, None, None, dp_forward)
+    assert by_hand.forward_group is dp and built.forward_group is dp_forward

@@ -80,5 +80,12 @@ def test_build_groups_timeout_reaches_the_optimizers_world_group(tmp_path):
     assert rank0["waited_s"] < 5.0, rank0  # 2 s timeout; rank 1 arrived 6 s late
 
 
+
+def test_build_groups_timeout_bounds_its_own_agreement_check(tmp_path):
+    rank0 = _run("late_rank_at_build_groups", tmp_path)[0]
+    assert rank0["outcome"].startswith("RuntimeError"), rank0
+    assert rank0["waited_s"] < 5.0, rank0  # 2 s timeout; rank 1 arrived 6 s late
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -112,10 +112,13 @@ def find_latest(root: str | Path) -> Path | None:
                          else "there is no committed checkpoint"), stacklevel=2)
         pointer = None
     if pointer is not None and pointer not in found:
-        warnings.warn(f"{root / LATEST} names {pointer.name}, which is not a committed checkpoint of this run "
-                      "(deleted, moved, or its index.json lost): "
-                      + (f"resolving to {newest.name}, the newest one there is" if newest is not None
-                         else "there is no committed checkpoint to resolve to"), stacklevel=2)
+        taken = (f"resolving to {newest.name}, the newest one there is" if newest is not None
+                 else "there is no committed checkpoint to resolve to")
+        if step_of(pointer) is None and pointer.is_dir() and is_complete(pointer):  # e.g. save_checkpoint(run/final)
+            why = f"a committed checkpoint, but runs resolve only to folders named as step_dir names them ({taken})"
+        else:
+            why = f"which is not a committed checkpoint of this run (deleted, moved, or its index.json lost): {taken}"
+        warnings.warn(f"{root / LATEST} names {pointer.name}, {why}", stacklevel=2)
     return newest
 
 

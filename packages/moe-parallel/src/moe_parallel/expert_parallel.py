@@ -102,7 +102,7 @@ def apply_expert_parallel(
                            if ep > 1 or capacity_factor > 0 or transport is not AllToAllDispatcher else None)
     shards: dict[str, ExpertShard] = {}
     for (layer_name, layer), dispatcher in zip(layers, dispatchers):
-        layer.router.lb_group = groups.dp_forward if groups.dp_forward is not None else groups.dp
+        layer.router.lb_group = groups.forward_group
         e_local = layer.num_experts // ep
         for pname, p in list(layer.experts.named_parameters()):
             full_name = _experts_prefix(layer_name) + pname

@@ -40,26 +40,35 @@ class ParallelGroups:
     def rank(self) -> int:
         return self.coords.rank
 
+    @property
+    def forward_group(self) -> dist.ProcessGroup:
+        """The group for collectives inside the model's forward: dp_forward, or dp in groups built without it."""
+        return self.dp_forward if self.dp_forward is not None else self.dp
+
 
 def build_groups(layout: ParallelLayout, num_experts: int, timeout: timedelta | None = None) -> ParallelGroups:
     """Create every group of `layout` with torch.distributed.new_group; call on every rank.
 
     The default process group must be initialised with world_size == layout.world_size.
     timeout: how long a collective on these groups may wait before it fails (torch's default when None); `world`
-    is then a group of every rank made with it, not the default group (whose timeout init_process_group set).
+    is then a group of every rank made with it, not the default group (whose timeout init_process_group set), and
+    build_groups' own check that every rank passed the same layout runs on it too (a late rank fails it in `timeout`).
     new_group is collective over the world, so every rank creates every group in the same order
     and keeps the ones that contain it.
     """
     world_size = dist.get_world_size()
+    # made first, so that the agreement check below (a late rank, a wrong layout) waits `timeout`, not the default
+    # group's; the same call on every rank whatever its layout
+    world = dist.group.WORLD if timeout is None else dist.new_group(list(range(world_size)), timeout=timeout)
     # Every rank must create the same groups in the same order: a rank given another layout (or expert count) would
     # make other new_group calls, and the ranks wait in them until the store times out (torch's default: 30 minutes).
-    what, device = "build_groups: the layout and num_experts", collective_device(dist.group.WORLD)
+    what, device = "build_groups: the layout and num_experts", collective_device(world)
     try:
         layout.validate(world_size, num_experts)
     except ValueError as refusal:  # on this rank only when the ranks were given different values
-        require_same_on_every_rank(dist.group.WORLD, [], what, device, refusal)
+        require_same_on_every_rank(world, [], what, device, refusal)
         raise
-    require_same_on_every_rank(dist.group.WORLD, [repr(layout), f"num_experts={num_experts!r}"], what, device,
+    require_same_on_every_rank(world, [repr(layout), f"num_experts={num_experts!r}"], what, device,
                                expected="every rank to pass the same layout and num_experts")
     coords = layout.coords(dist.get_rank())
     mine: dict[str, dist.ProcessGroup] = {}
@@ -74,5 +83,4 @@ def build_groups(layout: ParallelLayout, num_experts: int, timeout: timedelta | 
             group = dist.new_group(ranks, timeout=timeout)
             if coords.rank in ranks:
                 mine[kind] = group
-    world = dist.group.WORLD if timeout is None else dist.new_group(list(range(world_size)), timeout=timeout)
     return ParallelGroups(layout, coords, mine["dp"], mine["ep"], mine["edp"], mine["pp"], world, mine["dp_forward"])

@@ -113,7 +113,7 @@ class DistributedRuntime:
             raise ValueError(f"parallel.strategy='fsdp' is the dense-sharding baseline: expected ep=1, got ep={self.groups.layout.ep}")
         for _, layer in moe_layers(model):
             # not FSDP's own dp group when there is another: a checkpoint recompute re-runs it during backward
-            layer.router.lb_group = self.groups.dp_forward if self.groups.dp_forward is not None else self.groups.dp
+            layer.router.lb_group = self.groups.forward_group
         apply_fsdp(model, self.groups.dp, self.device.type)
         if getattr(model, "loss_chunk_tokens", 0):
             # the chunked Transformer.loss_terms (which loss calls) runs the model's parts itself (the head's GEMM
