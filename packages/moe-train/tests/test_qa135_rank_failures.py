@@ -154,7 +154,8 @@ def test_a_save_failing_on_one_rank_stops_every_rank_and_leaves_the_last_good_ch
 def test_a_stalled_rank_is_waited_for_the_collective_timeout_not_torchs_default(runs):
     rank0, rank1, run_dir = runs["stall"]
     waited = seconds_after_fault(rank0, rank1)
-    assert rank0["error"] == "RuntimeError" and "Timed out" in rank0["message"], rank0.get("trace")
+    assert rank0["error"] == "TrainingError" and "Timed out" in rank0["message"], rank0.get("trace")
+    assert "rank 0 of 2 stopped: a collective failed and no other rank's error could be read" in rank0["message"]
     assert STALL_TIMEOUT_S - 0.5 < waited < STALL_TIMEOUT_S + PROMPT_S, waited
     assert rank1["error"] is not None, "the stalled rank trained on alone"
     assert end_event(run_dir)["status"] == "failed"

@@ -93,6 +93,24 @@ def test_failed_collective_tells_gloo_failures_from_a_ranks_own_runtime_error():
     assert not failed_collective(ValueError("gloo"))
 
 
+def test_a_failed_collective_with_no_record_to_read_says_so_and_keeps_the_backends_error():
+    """A rank killed outright (kill -9, the OOM killer) records nothing: before moe-train 0.27.15 the survivors
+    raised gloo's bare "Connection reset by peer" (review helper 151); now a TrainingError saying what that leaves."""
+    from moe_train.trainer.errors import TrainingError
+    from moe_train.trainer.peer_failure import PeerFailures, explain
+
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error "
+                        "[127.0.0.1]:40000: Connection reset by peer")
+    nobody = PeerFailures(rank=1, world_size=4)  # no process group here, so no store: nothing to read
+    stopped = explain(gloo, nobody)
+    assert isinstance(stopped, TrainingError) and stopped.peer_failure
+    assert str(stopped).startswith("rank 1 of 4 stopped: a collective failed and no other rank's error could be read "
+                                   "(a rank killed outright, e.g. by SIGKILL or the out-of-memory killer;")
+    assert str(stopped).endswith("(its collective failed: " + str(gloo) + ")")
+    own = RuntimeError("boom")  # this rank's own error, and one process's: left as they are
+    assert explain(own, nobody) is own and explain(gloo, PeerFailures(rank=0, world_size=1)) is gloo
+
+
 def test_two_ranks_failing_together_each_raise_their_own_error(runs):
     r0, r1, r2 = runs["two"]
     assert (r1["error"], r1["message"]) == ("RuntimeError", "boom-1"), r1.get("message")
@@ -124,8 +142,9 @@ def test_rank_0_hosting_the_store_and_failing_alone_stops_the_others_promptly(ru
     assert (results[0]["error"], results[0]["message"]) == ("RuntimeError", "boom-0")
     for rank in (1, 2):
         res = results[rank]
-        if res["error"] == "TrainingError":
-            assert_names(res, failed=0, stopped=rank)
+        assert res["error"] == "TrainingError", res.get("trace")
+        if "no other rank's error could be read" in res["message"]:  # rank 0's record went with its process
+            assert failed_collective(RuntimeError(res["message"])) and "rank 0 gone with the store" in res["message"]
         else:
-            assert res["error"] == "RuntimeError" and failed_collective(RuntimeError(res["message"])), res.get("trace")
+            assert_names(res, failed=0, stopped=rank)
         assert seconds_after_fault(results, rank) < PROMPT_S

@@ -8,8 +8,9 @@ group's key-value store (the launcher's rendezvous), then closes its groups; a r
 reads the store and raises a TrainingError naming the rank and its error, the backend's error as its cause.
 Under torchrun the store is its agent's and outlives every rank; launched without it, rank 0 hosts the store, and
 a record rank 0 wrote goes with its process (a peer that reads after rank 0 has exited finds nothing). Best
-effort: no store (one process, a group of the caller's without one), a store that is gone, or no record (a rank
-killed outright) leave the error as it was.
+effort: with no store (a group of the caller's without one), a store that is gone, or no record (a rank killed
+outright, one that stopped answering), the TrainingError says that no other rank's error could be read, and why that
+may be, with the backend's error (before moe-train 0.27.15, the backend's bare error).
 """
 
 from __future__ import annotations
@@ -82,14 +83,21 @@ def failed_collective(e: BaseException) -> bool:
 
 
 def explain(e: BaseException, failures: PeerFailures) -> BaseException:
-    """`e`, or a TrainingError naming the other rank whose failure `e` (a failed collective) passed on."""
-    if not failed_collective(e):
+    """`e`, or a TrainingError naming the other rank whose failure `e` (a failed collective) passed on; with no
+    record to read (a rank killed outright, one that stopped answering), a TrainingError saying what that leaves."""
+    if not failed_collective(e) or failures.world_size == 1:
         return e
+    backend = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
     cause = failures.first_cause()
     if cause is None:
-        return e
-    rank, error = cause
-    stopped = TrainingError(f"rank {rank} of {failures.world_size} failed ({error}); rank {failures.rank} stopped "
-                            f"with it (its collective failed: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__})")
+        stopped = TrainingError(
+            f"rank {failures.rank} of {failures.world_size} stopped: a collective failed and no other rank's error "
+            "could be read (a rank killed outright, e.g. by SIGKILL or the out-of-memory killer; one that stopped "
+            "answering for parallel.collective_timeout_s; or rank 0 gone with the store it hosts when not launched by "
+            f"torchrun): see the other ranks' output (its collective failed: {backend})")
+    else:
+        rank, error = cause
+        stopped = TrainingError(f"rank {rank} of {failures.world_size} failed ({error}); rank {failures.rank} stopped "
+                                f"with it (its collective failed: {backend})")
     stopped.peer_failure = True
     return stopped
