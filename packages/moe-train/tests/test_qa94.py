@@ -111,6 +111,13 @@ HELD = {
                                                                   mlp_only_layers=[1, 3])),
     "qwen2_moe_mlp_only_layers_past_the_last": ("qwen2_moe", dict(MOE, num_experts=4, mlp_only_layers=[2, 5])),
     "glm4_moe_first_k_dense_past_the_last": ("glm4_moe", dict(MOE, n_routed_experts=4, first_k_dense_replace=3)),
+    # Refused before moe-ckpt 0.21.6 (review helper 151), though model.dense_layers holds the layout: layer i is
+    # sparse when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers (layer 1 of 0-4 here; layer 2 of
+    # 0-3 in the second)
+    "qwen3_moe_decoder_sparse_step_2": ("qwen3_moe", dict(MOE, num_experts=4, num_hidden_layers=5,
+                                                          decoder_sparse_step=2, mlp_only_layers=[3])),
+    "qwen2_moe_decoder_sparse_step_3": ("qwen2_moe", dict(MOE, num_experts=4, num_hidden_layers=4,
+                                                          decoder_sparse_step=3)),
 }
 
 
@@ -118,6 +125,14 @@ HELD = {
 def test_import_matches_transformers_logits(tmp_path, name):
     model_type, kw = HELD[name]
     assert_imports_exactly(save_random(tmp_path, model_type, **kw))
+
+
+@pytest.mark.parametrize("step", [0, -1, 1.5, True])
+def test_a_decoder_sparse_step_that_is_not_a_positive_integer_is_refused_naming_it(tmp_path, step):
+    folder = save_random(tmp_path, "qwen3_moe", **MOE, num_experts=4)
+    edit_config(folder, decoder_sparse_step=step)  # transformers cannot build these (0: modulo by zero)
+    with pytest.raises(HFConversionError, match=f"config.json decoder_sparse_step={step!r}: expected an integer >= 1"):
+        import_hf(folder)
 
 
 def test_missing_num_experts_is_the_class_default_and_refused_by_tensor_shape(tmp_path):
@@ -154,7 +169,6 @@ def test_folder_transformers_cannot_run_is_refused_naming_the_key(tmp_path, name
     ("llama", dict(rope_parameters={**ROPE, "rope_type": "yarn", "factor": 2.0,
                                     "original_max_position_embeddings": 32}), "rope_parameters.rope_type='yarn'"),
     ("qwen3_moe", dict(MOE, num_experts=4, hidden_act="gelu"), "hidden_act='gelu'"),
-    ("qwen3_moe", dict(MOE, num_experts=4, decoder_sparse_step=2), "decoder_sparse_step=2"),
     ("glm4_moe", dict(MOE, n_routed_experts=4, n_group=2, topk_group=1), "n_group=2"),
 ])
 def test_uncomputed_key_refused_naming_it(tmp_path, model_type, kw, key):

@@ -370,15 +370,19 @@ def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         router["lb_loss_weight"] = c["router_aux_loss_coef"]
     m.update(expert_hidden=c["moe_intermediate_size"], router=router)
     if mt in ("qwen3_moe", "qwen2_moe"):
-        need(c, "decoder_sparse_step", c.get("decoder_sparse_step", 1) == 1, "1")
+        step = c.get("decoder_sparse_step", 1)
+        need(c, "decoder_sparse_step", isinstance(step, int) and not isinstance(step, bool) and step >= 1,
+             "an integer >= 1", step)
         shared = c.get("shared_expert_intermediate_size", 0) if mt == "qwen2_moe" else 0
         # Qwen2-MoE's gate is learned, unless our export says the model had none (its gate is then zeros, which
         # the tensor check verifies); a folder without a shared expert has nothing to gate.
         gated = c.get(NO_SHARED_EXPERT_GATE_KEY, True)
         need(c, NO_SHARED_EXPERT_GATE_KEY, isinstance(gated, bool), "true or false", gated)
         experts = c.get("num_experts", c.get("num_local_experts", default["num_experts"]))
-        # transformers tests `layer_idx not in mlp_only_layers`: an index outside the layers names no layer.
-        dense = sorted({i for i in c.get("mlp_only_layers") or [] if i in range(c["num_hidden_layers"])})
+        # transformers makes layer i sparse when `i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0`:
+        # an index of mlp_only_layers outside the layers names no layer.
+        layers = range(c["num_hidden_layers"])
+        dense = sorted({i for i in c.get("mlp_only_layers") or [] if i in layers} | {i for i in layers if (i + 1) % step})
         m.update(num_experts=experts, dense_layers=dense, shared_expert_hidden=shared,
                  shared_expert_gate=mt == "qwen2_moe" and gated and shared > 0)
     else:  # glm4_moe
