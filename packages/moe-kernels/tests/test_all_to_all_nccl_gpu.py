@@ -98,3 +98,48 @@ def test_refused_dispatch_and_combine_raise_their_own_error_over_nccl(nccl_group
     # the group is still usable: a good call after the two refusals
     out = a2a.combine(result.rows, result, torch.ones(T, k, device="cuda"))
     assert torch.allclose(out, x * k)
+
+
+class _Fp8StraightThrough(torch.autograd.Function):
+    """rows -> float8_e4m3fn; the payload's fp8 gradient (it travels back as fp8 too) cast up for the rows."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return rows.to(torch.float8_e4m3fn)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return grad.float()
+
+
+class _Fp8Codec:
+    """Rows travel as float8_e4m3fn, which moe-kernels 0.9.12 exchanges as its bytes (gloo has no one-byte float)."""
+
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        return _Fp8StraightThrough.apply(rows)
+
+    def decode(self, payload: torch.Tensor) -> torch.Tensor:
+        return payload.float()
+
+
+def test_an_fp8_payload_over_nccl_equals_the_local_dispatcher_with_the_same_codec(nccl_group):
+    """The same fp8 rounding both ways (forward rows and their gradients), so equal to fp32 rounding."""
+    g = torch.Generator().manual_seed(11)
+    T, d, h, E, k = 97, 64, 40, 8, 2
+    ids = torch.rand(T, E, generator=g).topk(k, dim=1).indices.cuda()
+    x0, w0 = torch.randn(T, d, generator=g).cuda(), torch.rand(T, k, generator=g).cuda()
+    a0, b0 = torch.randn(E, d, 2 * h, generator=g).cuda() / d**0.5, torch.randn(E, h, d, generator=g).cuda() / h**0.5
+    probe = torch.randn(T, d, generator=g).cuda()
+
+    def run(dispatcher):  # noqa: ANN001, ANN202
+        x, w, a, b = (t.clone().requires_grad_() for t in (x0, w0, a0, b0))
+        out, result = block(x, ids, w, a, b, dispatcher, "reference")
+        (out * probe).sum().backward()
+        assert result.rows.dtype == torch.float32  # decoded on arrival
+        return out.detach(), x.grad, w.grad, a.grad, b.grad
+
+    got, want = run(AllToAllDispatcher(nccl_group, E, codec=_Fp8Codec())), run(LocalDispatcher(E, codec=_Fp8Codec()))
+    for name, g_, w_ in zip(("out", "dx", "dweights", "dw1", "dw2"), got, want):
+        torch.testing.assert_close(g_, w_, rtol=1e-5, atol=1e-5, msg=name)
+    plain = run(LocalDispatcher(E))
+    assert not torch.equal(got[0], plain[0])  # the rows did travel as fp8
