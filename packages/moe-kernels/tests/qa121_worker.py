@@ -132,8 +132,34 @@ def narrowing_codec_case(rank: int) -> dict:
     return {"refused": None}
 
 
+class DetachedRoundingCodec:
+    """A wrong straight-through quantiser: the payload requires grad through its learnable scale only, so x would
+    get no gradient (moe-kernels <= 0.9.12 took it; review helper 154)."""
+
+    def __init__(self):
+        self.scale = torch.full((), 0.125, requires_grad=True)
+
+    def encode(self, rows):
+        return (rows / self.scale).round().detach() * self.scale
+
+    def decode(self, payload):
+        return payload
+
+
+def detached_codec_case(rank: int) -> dict:
+    x, ids, _, _, _ = global_case(4, 5, 4, 2, torch.float32, None)
+    x = x[rank * 5:(rank + 1) * 5].clone().requires_grad_()
+    try:
+        AllToAllDispatcher(dist.group.WORLD, 4, codec=DetachedRoundingCodec()).dispatch(
+            x, build_route_map(ids[rank * 5:(rank + 1) * 5], 4))
+    except ValueError as e:
+        return {"refused": str(e)}
+    return {"refused": None}
+
+
 def all_cases(rank: int) -> dict:
-    return {"transport": transport_cases(rank), "narrowing": narrowing_codec_case(rank)}
+    return {"transport": transport_cases(rank), "narrowing": narrowing_codec_case(rank),
+            "detached": detached_codec_case(rank)}
 
 
 def _entry(rank: int, port: int, out_dir: str) -> None:

@@ -120,6 +120,9 @@ def test_two_rank_plain_all_to_all_transport_matches_one_process(tmp_path):
     for r in results:  # AllToAllDispatcher refuses decoded rows of another width than x (it ran them before)
         refused = r["narrowing"]["refused"]
         assert refused is not None and "(d=6, x's width), got (" in refused, r["narrowing"]
+    for r in results:  # a payload that requires grad through a learnable scale only: refused on every rank
+        refused = r["detached"]["refused"]
+        assert refused is not None and "its autograd graph does not reach them" in refused, r["detached"]
 
 
 class Spy:
@@ -224,6 +227,14 @@ BAD_CODECS = {
     "an int8 bit pattern behind a learnable decode": (
         Codec(lambda r: (r * 8).round().to(torch.int8), lambda p: p.float() * _LEARNED_SCALE),
         r"codec\.encode\(rows\) does not require grad though x does"),
+    # the rounding detached, a learnable scale after it: requires grad, through the scale alone (moe-kernels
+    # <= 0.9.12 took it and x got no gradient; review helper 154)
+    "a detached rounding times a learnable scale": (
+        Codec(lambda r: (r / _LEARNED_SCALE).round().detach() * _LEARNED_SCALE, lambda p: p),
+        r"codec\.encode\(rows\) requires grad, but not through the rows"),
+    "decode detaches, then a learnable scale": (
+        Codec(lambda r: r, lambda p: p.detach() * _LEARNED_SCALE),
+        r"codec\.decode\(codec\.encode\(rows\)\) requires grad, but not through the rows"),
 }
 
 

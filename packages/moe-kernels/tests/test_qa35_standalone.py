@@ -92,6 +92,24 @@ def test_unsigned_expert_ids_route_like_int64_ones(dtype):
                                moe_ffn(x, want, w, w1, w2, "reference"))
 
 
+@pytest.mark.parametrize("dtype, num_experts, big_id", [(torch.uint8, 256, 200), (torch.uint8, 300, 255),
+                                                      (torch.int8, 128, 127), (torch.int16, 40000, 30000)])
+def test_narrow_integer_ids_are_checked_as_ids_when_num_experts_is_past_their_range(dtype, num_experts, big_id):
+    """moe-kernels <= 0.9.12 compared the ids with num_experts in the ids' own dtype, where 256 wraps to 0 in uint8:
+    uint8 ids of a 256-expert model were refused naming a valid id (review helper 154)."""
+    ids = torch.tensor([[big_id, 1], [0, big_id], [3, 2]])
+    want = build_route_map(ids, num_experts, backend="reference")
+    for backend in ("reference", "torch", "auto"):
+        got = build_route_map(ids.to(dtype), num_experts, backend=backend)
+        for name in ("counts", "offsets", "sort_order", "dest_row"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (backend, name)
+    if dtype.is_signed:  # and a negative one is still refused
+        with pytest.raises(ValueError, match=r"expert_ids\[2, 1\]=-1 is outside"):
+            build_route_map(torch.tensor([[0, 1], [2, 3], [4, -1]], dtype=dtype), num_experts)
+    with pytest.raises(ValueError, match=r"expert_ids\[0, 0\]=9 is outside \[0, num_experts=9\)"):
+        build_route_map(torch.tensor([[9, 1]], dtype=dtype), 9)  # past num_experts, within the dtype
+
+
 # ---- AllToAllDispatcher: a route map over another E on one rank --------------------------------------
 WORLD, DEADLINE_S = 2, 90
 

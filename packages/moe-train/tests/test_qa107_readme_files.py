@@ -181,8 +181,6 @@ NOT_FROM_FILE = {
     ("moe-train", "129", "a `full` step now takes 121–"): "the same file",
     ("moe-train", "77.5", "against OLMo-core 3's compiled "): "a peer's number, from FACTS.md",
     ("moe-train", "37.3", "compiled 77.5K / "): "a peer's number, from FACTS.md",
-    ("moe-train", "77.8", "(the recheck below reads "): "h200_bench_fine_grained_16d5dcc.json, cited below",
-    ("moe-train", "43.2", "the recheck below reads 77.8K / "): "h200_bench_fine_grained_16d5dcc.json, cited below",
     ("moe-train", "2.80", "moe-precision `cast_weight`: "): "moe-precision's h100_cast_bandwidth.json",
 }
 

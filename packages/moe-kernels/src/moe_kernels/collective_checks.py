@@ -15,6 +15,7 @@ the error, until the garbage collector runs; a gloo group still alive at interpr
 
 from __future__ import annotations
 
+import hashlib
 from contextlib import nullcontext as _no_stream
 from typing import Any, NoReturn
 
@@ -32,12 +33,18 @@ _TEXT_BYTES = 1024  # an error message travels to the peers clipped to this many
 
 
 def dtype_code(dtype: torch.dtype) -> int:
-    """A small int naming `dtype` alike on every process (one code for every dtype outside the table)."""
-    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+    """An int naming `dtype` alike on every process: its index in the table, or past the table a 48-bit hash of its
+    name (a single code for every other dtype let float8_e4m3fnuz rows meet float8_e5m2fnuz ones unrefused)."""
+    if dtype in _DTYPES:
+        return _DTYPES.index(dtype)
+    return len(_DTYPES) + int.from_bytes(hashlib.blake2b(str(dtype).encode(), digest_size=6).digest(), "little")
 
 
 def dtype_name(code: int) -> str:
-    return str(_DTYPES[code]) if 0 <= code < len(_DTYPES) else "another dtype"
+    if 0 <= code < len(_DTYPES):
+        return str(_DTYPES[code])
+    named = {dtype_code(d): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
+    return named.get(code, "another dtype")
 
 
 def gather_or_raise(

@@ -7,6 +7,7 @@ other transports (row-wise NVSHMEM) implement the same two calls.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -106,13 +107,41 @@ def check_decoded_rows(decoded: Any, num_rows: int, d: int, rows_name: str = "T*
 def require_graph_kept(rows: torch.Tensor, coded: torch.Tensor, step: str) -> None:
     """`coded` (what the codec made of `rows`) stays on autograd's graph when `rows` is on it: a codec
     that cuts it would silently leave x without the experts' gradient (under no_grad or inference_mode
-    nothing is recorded, and anything goes)."""
-    if torch.is_grad_enabled() and rows.requires_grad and not coded.requires_grad:
+    nothing is recorded, and anything goes). Requiring grad is not enough: `(rows / s).round().detach() * s`
+    with a learnable s requires grad through s alone, so the graph behind `coded` must reach `rows`."""
+    if not (torch.is_grad_enabled() and rows.requires_grad):
+        return
+    if not coded.requires_grad:
         raise ValueError(
             f"{step} does not require grad though x does: the codec cut the autograd graph, so x would get "
             "no gradient from the experts; expected a codec autograd can follow (a floating-point payload: an "
             "integer bit pattern cannot carry gradients through this dispatcher), or x.detach() for no gradient"
         )
+    if not torch.compiler.is_compiling() and not _graph_reaches(coded, rows):  # a traced graph has no nodes to walk
+        raise ValueError(
+            f"{step} requires grad, but not through the rows: its autograd graph does not reach them (a detach() "
+            "inside the codec, with a learnable parameter after it), so x would get no gradient from the experts; "
+            "expected a codec whose output autograd can follow back to its input (a straight-through estimator "
+            "writes rows + (quantised - rows).detach()), or x.detach() for no gradient"
+        )
+
+
+def _graph_reaches(coded: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether `rows`' node is among the autograd nodes behind `coded` (breadth first: a codec's few ops come
+    before any graph behind its own parameters)."""
+    if coded is rows:  # an identity codec
+        return True
+    target = rows.grad_fn
+    queue, seen = collections.deque([coded.grad_fn]), set()
+    while queue:
+        node = queue.popleft()
+        if node is None or node in seen:
+            continue
+        if node is target or (target is None and getattr(node, "variable", None) is rows):  # rows a leaf
+            return True
+        seen.add(node)
+        queue.extend(child for child, _ in node.next_functions)
+    return False
 
 
 class LocalDispatcher:

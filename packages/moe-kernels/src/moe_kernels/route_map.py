@@ -196,7 +196,8 @@ _UNSIGNED_SHELL_DTYPES = tuple(getattr(torch, n) for n in ("uint16", "uint32", "
 
 
 def _check_ids_on_host(expert_ids: torch.Tensor, num_experts: int) -> None:
-    bad = (expert_ids < 0) | (expert_ids >= num_experts)
+    # compared as int64: in the ids' own dtype num_experts wraps (uint8 ids against 256 experts compare with 0)
+    bad = (expert_ids < 0) | (expert_ids.to(torch.int64) >= num_experts)
     if torch.compiler.is_compiling():  # a traced graph cannot branch on data: assert inside it instead
         torch._assert_async(~bad.any(), f"build_route_map: an expert id is outside [0, num_experts={num_experts})")
         return
