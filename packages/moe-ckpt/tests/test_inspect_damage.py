@@ -23,4 +23,15 @@ def test_a_missing_and_a_truncated_shard_are_named(ck2):
     want = [f"{SHARD0} (rank 0) is missing", f"{SHARD1} (rank 1) has {size - 5:,} bytes, index.json records {size:,}"]
     assert inspect_checkpoint(ck2)["file_problems"] == want
     lines = format_checkpoint(ck2).splitlines()
-    assert lines[3] == f"DAMAGED: {'; '.join(want)} (this checkpoint cannot be loaded)", lines[:5]
+    # the first line (0.21.7 put it after the header lines, where `| head -3` hid it; review helper 155)
+    assert lines[0] == f"DAMAGED: {'; '.join(want)} (this checkpoint cannot be loaded)", lines[:5]
+
+
+def test_python_m_moe_ckpt_exits_1_on_a_damaged_checkpoint_and_0_on_a_whole_one(ck2, capsys):
+    from moe_ckpt.__main__ import main
+
+    assert main([str(ck2)]) == 0
+    capsys.readouterr()
+    (ck2 / SHARD0).unlink()
+    assert main([str(ck2)]) == 1
+    assert capsys.readouterr().out.startswith(f"DAMAGED: {SHARD0} (rank 0) is missing")

@@ -135,6 +135,21 @@ def test_a_decoder_sparse_step_that_is_not_a_positive_integer_is_refused_naming_
         import_hf(folder)
 
 
+def test_a_folder_with_both_layouts_imports_the_single_file_transformers_loads(tmp_path):
+    """model.safetensors beside a sharded save of other weights: moe-ckpt <= 0.21.7 read the index's shards, so the
+    import computed another model than the one transformers loads from the same folder (review helper 155)."""
+    folder = save_random(tmp_path / "single", "llama", seed=0)
+    sharded = save_random(tmp_path / "sharded", "llama", seed=1)
+    transformers.AutoModelForCausalLM.from_pretrained(sharded).save_pretrained(sharded, max_shard_size="20KB")
+    shards = sorted(p.name for p in sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (sharded / "model.safetensors.index.json").is_file()
+    for name in shards + ["model.safetensors.index.json"]:
+        (folder / name).write_bytes((sharded / name).read_bytes())
+    with pytest.warns(UserWarning, match="holds both model.safetensors and model.safetensors.index.json: reading "
+                                         "model.safetensors, the one transformers loads"):
+        assert_imports_exactly(folder)
+
+
 def test_missing_num_experts_is_the_class_default_and_refused_by_tensor_shape(tmp_path):
     """Qwen2-MoE's and Qwen3-MoE's num_experts defaults to 60 / 128 in transformers; import crashed (TypeError)."""
     for model_type in ("qwen2_moe", "qwen3_moe"):
@@ -169,6 +184,9 @@ def test_folder_transformers_cannot_run_is_refused_naming_the_key(tmp_path, name
     ("llama", dict(rope_parameters={**ROPE, "rope_type": "yarn", "factor": 2.0,
                                     "original_max_position_embeddings": 32}), "rope_parameters.rope_type='yarn'"),
     ("qwen3_moe", dict(MOE, num_experts=4, hidden_act="gelu"), "hidden_act='gelu'"),
+    # taken by moe-ckpt <= 0.21.7, then refused by the next export as "extra_config" (review helper 155)
+    ("llama", dict(eos_token_id=99999), "eos_token_id=99999: expected null or a token id: an integer in \\[0, 61\\)"),
+    ("qwen3", dict(pad_token_id=-2), "pad_token_id=-2: expected null or a token id"),
     ("glm4_moe", dict(MOE, n_routed_experts=4, n_group=2, topk_group=1), "n_group=2"),
 ])
 def test_uncomputed_key_refused_naming_it(tmp_path, model_type, kw, key):

@@ -14,11 +14,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", help="a checkpoint folder (step-N), or a run folder with a `latest` pointer")
     args = parser.parse_args(argv)
     try:
-        print(format_checkpoint(args.checkpoint))
+        text = format_checkpoint(args.checkpoint)
     except CheckpointError as err:
         print(f"python -m moe_ckpt: {err}", file=sys.stderr)
         return 1
-    return 0
+    print(text)
+    return 1 if text.startswith("DAMAGED:") else 0  # a checkpoint that cannot be loaded fails a script's check
 
 
 if __name__ == "__main__":

@@ -57,8 +57,9 @@ def format_checkpoint(path: str | Path, *, notes: Callable[[dict], Sequence[str]
              f"layout: {meta.get('layout', '(not recorded)')}",
              f"step: {meta.get('step', '(not recorded)')}",
              *(notes(meta) if notes is not None else ())]
-    if info["file_problems"]:  # what the table below would hide: the tensors' data is not all there
-        lines.append(f"DAMAGED: {'; '.join(info['file_problems'])} (this checkpoint cannot be loaded)")
+    if info["file_problems"]:  # what the table below would hide: the tensors' data is not all there (first, so that
+        # `| head` shows it)
+        lines.insert(0, f"DAMAGED: {'; '.join(info['file_problems'])} (this checkpoint cannot be loaded)")
     width = max((len(n) for n in info["tensors"]), default=0)
     for name, t in info["tensors"].items():
         lines.append(f"  {name:<{width}}  {t['dtype']:<9} {str(tuple(t['shape'])):<20} {len(t['pieces'])} pieces")

@@ -319,11 +319,16 @@ def _run(args, rest) -> int:
     try:
         if args.command == "inspect":
             _refuse_unknown(args.command, rest)
-            _cmd_inspect(args)
-            return 0
+            return _cmd_inspect(args)
         if args.command in ("export-hf", "import-hf"):
             _refuse_unknown(args.command, rest)
-            _cmd_hf(args)
+            from moe_ckpt.hf import FolderWriteError
+
+            try:
+                _cmd_hf(args)
+            except FolderWriteError as e:  # a full disk, a file-size limit: one line naming the folder
+                print(f"moe-train: error: {e}", file=sys.stderr)
+                return 1
             return 0
         if args.command == "prepare-data":
             _refuse_unknown(args.command, rest)

@@ -164,7 +164,8 @@ def _resume_hint(cfg) -> str:
     return f"latest checkpoint: {found} ({every}); {again} to resume from step {step_of(found)}"
 
 
-def _cmd_inspect(args) -> None:
+def _cmd_inspect(args) -> int:
+    """Print what the folder holds; the exit status: 1 for a checkpoint that cannot be loaded (DAMAGED), else 0."""
     from moe_ckpt import format_checkpoint
     from moe_train.hf_bridge import hugging_face_model_type
     from moe_train.trainer.checkpoint import checkpoint_root, newest_checkpoint
@@ -184,14 +185,16 @@ def _cmd_inspect(args) -> None:
                                     "converts it, then inspect OUT")
         if _is_model_folder(path):  # an import-hf output, which export-hf reads too
             print(_format_model_folder(path))
-            return
+            return 0
         if (path / "meta.json").is_file():  # a data folder prepare-data wrote
             print(_format_data_folder(path))
-            return
+            return 0
         raise FileNotFoundError(f"{args.checkpoint!r} holds no checkpoint (no index.json, checkpoints/ or "
                                 f"metrics.jsonl) and no data (no meta.json): {expected}")
     path = newest_checkpoint(path) or path  # a checkpoints/ folder: its newest complete step, warning of later ones
-    print(format_checkpoint(path, notes=_train_data_line))
+    text = format_checkpoint(path, notes=_train_data_line)
+    print(text)
+    return 1 if text.startswith("DAMAGED:") else 0  # it cannot be loaded: a script's check fails
 
 
 def _is_model_folder(folder: Path) -> bool:

@@ -22,9 +22,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from safetensors import SafetensorError
+
 from moe_ckpt.hf.refusals import HFConversionError
 
 T = TypeVar("T")
+
+
+class FolderWriteError(OSError):
+    """Writing the new folder failed with an error that names no file (a full disk or a file-size limit inside
+    safetensors' writer: "I/O error: File too large"); this one names the target. The target is as it was."""
 
 
 def write_folder_whole(out_dir: str | Path, write: Callable[[Path], T], *,
@@ -50,7 +57,14 @@ def write_folder_whole(out_dir: str | Path, write: Callable[[Path], T], *,
     tmp = _beside(final, "tmp")
     tmp.mkdir()
     try:
-        result = write(tmp)
+        try:
+            result = write(tmp)
+        except (OSError, SafetensorError) as e:
+            if isinstance(e, OSError) and e.filename is not None:  # it names its file already
+                raise
+            raise FolderWriteError(f"the {what} into {str(final)!r} stopped on {type(e).__name__}: {e} (while writing "
+                                   f"its new folder {tmp.name} beside it; {str(final)!r} is as it was, and the "
+                                   "partial folder is removed)") from e
         _give_files_the_mode_of_a_new_file(tmp)
         _replace(final, tmp)
     finally:

@@ -82,8 +82,14 @@ def open_safetensors(path: Path):
 
 
 def _tensor_files(folder: Path) -> dict[str, str]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
+    """Tensor name -> file, from the files transformers would load: model.safetensors when the folder has one (its
+    loader looks for it first), else the index's shards."""
+    index, single = folder / "model.safetensors.index.json", folder / "model.safetensors"
+    if single.is_file() and index.is_file():
+        warnings.warn(f"{str(folder)!r} holds both model.safetensors and model.safetensors.index.json: reading "
+                      "model.safetensors, the one transformers loads (the index and its shards are ignored; delete "
+                      "the layout you do not mean)", stacklevel=3)
+    if index.is_file() and not single.is_file():
         weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise HFConversionError(f"{index} has no 'weight_map' object (tensor name -> shard file)")
@@ -93,7 +99,6 @@ def _tensor_files(folder: Path) -> dict[str, str]:
             raise HFConversionError(f"{index} names shard files {bad[:3]} outside the folder; "
                                     "expected plain file names")
         return dict(weight_map)
-    single = folder / "model.safetensors"
     if not single.is_file():
         raise HFConversionError(f"{str(folder)!r} has neither model.safetensors nor model.safetensors.index.json")
     with open_safetensors(single) as f:

@@ -214,13 +214,14 @@ def _is_token_id(value: Any, vocab_size: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
 
 
-def checked_extra(extra: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+def checked_extra(extra: dict[str, Any], vocab_size: int, source: str = "extra_config") -> dict[str, Any]:
     """`extra` (EXTRA_KEYS for config.json), each key and value checked: a key config.json would not get (a typo)
     and a token id transformers cannot embed (past the vocabulary, negative, not an integer) are refused by name.
-    eos_token_id may be a list of ids (transformers stops at any of them); None is an unknown id."""
+    eos_token_id may be a list of ids (transformers stops at any of them); None is an unknown id.
+    source: where the values came from, as the refusal names it (an export's extra_config, an import's config.json)."""
     for key, value in extra.items():
         if key not in EXTRA_KEYS:
-            raise HFConversionError(f"extra_config key {key!r}={value!r}: expected only {', '.join(EXTRA_KEYS)}")
+            raise HFConversionError(f"{source} key {key!r}={value!r}: expected only {', '.join(EXTRA_KEYS)}")
         if key == "max_position_embeddings":
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
             expected = "an integer >= 1 (the context length)"
@@ -232,7 +233,7 @@ def checked_extra(extra: dict[str, Any], vocab_size: int) -> dict[str, Any]:
                         + (", or a non-empty list of them" if key == "eos_token_id" else "")
                         + (", or -1 (no padding token)" if key == "pad_token_id" else ""))
         if not ok:
-            raise HFConversionError(f"extra_config {key}={value!r}: expected {expected}")
+            raise HFConversionError(f"{source} {key}={value!r}: expected {expected}")
     return dict(extra)
 
 
@@ -360,7 +361,9 @@ def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         "init_std": c.get("initializer_range", 0.02),
         "qk_norm": mt in ("qwen3", "qwen3_moe") or (mt == "glm4_moe" and bool(c.get("use_qk_norm", False))),
     }
-    extra = {k: c[k] for k in EXTRA_KEYS if c.get(k) is not None}
+    # checked here as an export checks them, so that an imported model exports again (a token id past the vocabulary
+    # was taken, then refused by the export as "extra_config", a name the user never gave)
+    extra = checked_extra({k: c[k] for k in EXTRA_KEYS if c.get(k) is not None}, c["vocab_size"], "config.json")
     if mt in ("llama", "qwen3"):
         m.update(num_experts=0, dense_layers=[], shared_expert_hidden=0, shared_expert_gate=False)
         return m, extra
