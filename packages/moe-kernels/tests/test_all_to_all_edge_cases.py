@@ -32,6 +32,7 @@ from moe_kernels import AllToAllDispatcher, LocalDispatcher, RouteMap, build_rou
 
 sys.path.insert(0, str(Path(__file__).parent))
 import kernels_spawn  # noqa: E402
+from fp8_codec import Fp8Codec  # noqa: E402
 
 pytestmark = pytest.mark.slow
 WORLD = 2
@@ -147,29 +148,6 @@ class Float64Codec(Pow2Codec):
         self.decoded += 1
         self.arrived = payload.detach().clone()
         return payload.to(torch.float32)
-
-
-class _Fp8StraightThrough(torch.autograd.Function):
-    """rows -> float8_e4m3fn; the payload's fp8 gradient (it travels back as fp8 too) cast up for the rows."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        return rows.to(torch.float8_e4m3fn)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        return grad.float()
-
-
-class Fp8Codec:
-    """Lossy: rows travel as float8_e4m3fn, a one-byte float gloo has no type for (moe-kernels <= 0.9.11 failed
-    there with gloo's "Invalid scalar type")."""
-
-    def encode(self, rows: torch.Tensor) -> torch.Tensor:
-        return _Fp8StraightThrough.apply(rows)
-
-    def decode(self, payload: torch.Tensor) -> torch.Tensor:
-        return payload.float()
 
 
 def parity_cases(rank: int) -> dict:

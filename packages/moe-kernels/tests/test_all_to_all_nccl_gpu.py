@@ -12,11 +12,17 @@ Run on the device: PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python3 -m py
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from moe_kernels import AllToAllDispatcher, LocalDispatcher, build_route_map, swiglu_experts
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fp8_codec import Fp8Codec  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -100,28 +106,6 @@ def test_refused_dispatch_and_combine_raise_their_own_error_over_nccl(nccl_group
     assert torch.allclose(out, x * k)
 
 
-class _Fp8StraightThrough(torch.autograd.Function):
-    """rows -> float8_e4m3fn; the payload's fp8 gradient (it travels back as fp8 too) cast up for the rows."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        return rows.to(torch.float8_e4m3fn)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        return grad.float()
-
-
-class _Fp8Codec:
-    """Rows travel as float8_e4m3fn, which moe-kernels 0.9.12 exchanges as its bytes (gloo has no one-byte float)."""
-
-    def encode(self, rows: torch.Tensor) -> torch.Tensor:
-        return _Fp8StraightThrough.apply(rows)
-
-    def decode(self, payload: torch.Tensor) -> torch.Tensor:
-        return payload.float()
-
-
 def test_an_fp8_payload_over_nccl_equals_the_local_dispatcher_with_the_same_codec(nccl_group):
     """The same fp8 rounding both ways (forward rows and their gradients), so equal to fp32 rounding."""
     g = torch.Generator().manual_seed(11)
@@ -138,7 +122,7 @@ def test_an_fp8_payload_over_nccl_equals_the_local_dispatcher_with_the_same_code
         assert result.rows.dtype == torch.float32  # decoded on arrival
         return out.detach(), x.grad, w.grad, a.grad, b.grad
 
-    got, want = run(AllToAllDispatcher(nccl_group, E, codec=_Fp8Codec())), run(LocalDispatcher(E, codec=_Fp8Codec()))
+    got, want = run(AllToAllDispatcher(nccl_group, E, codec=Fp8Codec())), run(LocalDispatcher(E, codec=Fp8Codec()))
     for name, g_, w_ in zip(("out", "dx", "dweights", "dw1", "dw2"), got, want):
         torch.testing.assert_close(g_, w_, rtol=1e-5, atol=1e-5, msg=name)
     plain = run(LocalDispatcher(E))

@@ -22,6 +22,7 @@ from moe_kernels import DispatchResult, LocalDispatcher, RouteMap, build_route_m
 sys.path.insert(0, str(Path(__file__).parent))
 import kernels_spawn  # noqa: E402
 import qa121_worker  # noqa: E402
+from fp8_codec import Fp8Codec  # noqa: E402
 
 D, H = 6, 5
 
@@ -251,24 +252,6 @@ def test_decoded_rows_of_another_width_are_refused_with_the_expected_d():
     codec, _ = BAD_CODECS["decode narrows the rows"]
     with pytest.raises(ValueError, match=r"\[T\*k=10, d\] rows the experts compute on \(d=6, x's width\), got \(10, 5\)"):
         LocalDispatcher(4, codec=codec).dispatch(x, build_route_map(ids, 4))
-
-
-class _Fp8StraightThrough(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, rows):
-        return rows.to(torch.float8_e4m3fn)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.float()
-
-
-class Fp8Codec:
-    def encode(self, rows):
-        return _Fp8StraightThrough.apply(rows)
-
-    def decode(self, payload):
-        return payload.float()
 
 
 def test_a_float8_payload_carries_its_gradient_back_in_float8_as_the_docstring_says():
