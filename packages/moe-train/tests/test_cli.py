@@ -2,6 +2,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -43,6 +44,10 @@ def test_bench_reports_json_on_cpu(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["tokens_per_s"] > 0 and out["mfu"] is None and out["model_tflops"] > 0
     assert out["runtime"] == "LocalRuntime" and out["param_dtype"] == "fp32"
+    # the commit of the source that ran (the suite runs from a git clone; an installed wheel records null)
+    head = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    assert out["commit"] is not None and out["commit"].removesuffix("-dirty") == head, (out["commit"], head)
 
 
 def test_bench_runs_the_runtime_the_config_asks_for(capsys):

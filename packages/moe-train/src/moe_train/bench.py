@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import platform
+import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +20,22 @@ from moe_train.trainer.runtime import Runtime
 
 
 BENCH_EOS_ID = 0  # the end-of-document id of the synthetic tokens under train.document_masking
+
+
+def source_commit() -> str | None:
+    """The git commit of the source this module runs from, "-dirty" when tracked files differ from it; None
+    outside a git work tree (an installed wheel) or without git. Recorded in the JSON so that a result file names
+    the code that made it (several committed results had none)."""
+    here = str(Path(__file__).resolve().parent)
+    try:
+        head = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if head.returncode:
+            return None
+        changed = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return head.stdout.strip() + ("-dirty" if changed.returncode or changed.stdout.strip() else "")
 
 
 def synthetic_steps(cfg: Config) -> tuple[Runtime, Callable[[int], float]]:
@@ -97,7 +115,7 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
     counts = count_params(m)
     return {
         "preset": cfg.preset, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "steps": steps, "warmup": warmup, "tokens_per_step": tokens // steps,
+        "torch": torch.__version__, "commit": source_commit(), "steps": steps, "warmup": warmup, "tokens_per_step": tokens // steps,
         "step_ms": elapsed / steps * 1e3, "tokens_per_s": tps, "model_tflops": fpt * tps / 1e12,
         "mfu": (fpt * tps / 1e12 / peak) if peak else None, "peak_tflops_bf16": peak,
         "peak_mem_gib": peak_mem_max,
