@@ -185,6 +185,40 @@ NOT_FROM_FILE = {
 }
 
 
+# Percentages beside a result file: in it (as a percentage or a fraction), or the change between two numbers quoted
+# beside them, or registered here. (README, percentage as written, text just before it) ->
+#   (a, b): two numbers of the cited file(s), the percentage being |a / b - 1| as written (the pair is checked);
+#   a str: why it is not a measurement (a target, a config fact).
+# Before QA 147 no percentage was checked (review helper 156 changed README.md's -33% to -39% unnoticed).
+PCT = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)%")
+PCT_SOURCES: dict[tuple[str, str, str], tuple[float, float] | str] = {  # traced by review helper 158
+    ("root", "33", "(on an H200, −"): (16.589200019836426, 24.857518196105957),  # peak_mem_gib, mlp / none
+    ("root", "20", "then decays it over the last "): "a config fact: train.lr_decay_fraction's default",
+    ("moe-kernels", "1.6", "compiled within −"): "means of two samples each in the file's timings[3] "
+                                                   "(triton, fullgraph): compiled 12.207 ms against eager 12.405",
+    ("moe-kernels", "2.3", "compiled within −1.6%/+"): "means of two samples each in timings[4] (torch): "
+                                                       "compiled 11.405 ms against eager 11.146",
+    ("moe-kernels", "5", "1.0× on (b), E=128 at most "): "the issue's target",
+    ("moe-kernels", "4.9", "back to back (−6.0%; one call −"): (473.0878504875696, 497.38251427137885),  # (a) 128 / 8
+    ("moe-kernels", "7", "(b) E=128 +8% and (a) E=128 +"): "against the previous run of the table: h200_moe_block.json "
+                                                           "at commit d7cbe55, 478.6, overwritten by this run's 513.3",
+    ("moe-kernels", "15", "−5% / −8% on (a), −"): (524.3746741808885, 614.338327994434),  # (b) E=128 / E=8
+    ("moe-kernels", "85", "on (b). The same verdicts: the "): "the issue's target",
+    ("moe-kernels", "5", "(b); E=128 against E=8 −"): (473.0878504875696, 497.38251427137885),
+    ("moe-kernels", "9", "and 611 at E=128 (−"): (610.6154467500729, 673.8322990785005),  # chain_bmm (b) 128 / 8
+    ("moe-kernels", "10", "grouped_mm 648 → 586, −"): (585.5520434965856, 647.7456187115608),
+    ("moe-kernels", "5", "while grouped_mm drops "): (566.1660797724521, 595.1971322968461),  # chain_grouped_mm (a)
+    ("moe-kernels", "11.5", "rows per expert) is "): (571, 512),  # padded_m_tiles / m_tiles_needed, (b) E=128
+    ("moe-kernels", "6.3", "more M-tiles than rows need ("): (1089, 1024),  # the same, (a) E=128
+    ("moe-kernels", "0.8", "`bench/results/h200_tail_split.json`; "): "padding arithmetic on (b) E=8's routed counts, "
+                                                                       "as the README says: not stored",
+    ("moe-kernels", "10", "per-GEMM numbers fall a further ~"): "an aggregate: routed against balanced grouped_mm over "
+                                                                 "the six GEMMs (mean -9.6%, FLOP-weighted -10.6%)",
+    ("moe-kernels", "5", "from the balanced case. So the "): "the issue's target",
+    ("moe-train", "4", "So FlexAttention costs "): (69092.91535046998, 71713.19494730342),  # tokens_per_s flex / off
+    ("moe-train", "11", "SDPA's masked kernel costs "): (63554.943269145755, 71713.19494730342),  # sdpa / off
+}
+
 # tables whose data a paragraph further up names for the whole section, by header row
 TABLE_DATA = {"moe-train": {  # "Earlier numbers": the section's `bench/results/h200_bench_*.json` at commit bef7006
     "| preset | params | tokens/s | step | model TFLOP/s | MFU (989 peak) | peak memory | bf16 resident weights: "
@@ -313,7 +347,47 @@ def numbers_not_in_results(name: str, text: str) -> list[str]:
                     continue
                 out.append(f"{name} README line {ln}: {s}{m.group(2) or ''} (after {before[-40:]!r}) is not in "
                            f"{sorted(files)}")
+        if not is_table:
+            out += _percentages_not_traced(name, lineno, para, values, sorted(files))
     return out
+
+
+def _percentages_not_traced(name: str, lineno: int, para: str, values, files: list[str]) -> list[str]:
+    quoted = [(float(m.group(1).replace(",", "")) * (1000 if m.group(2) == "K" else 1),
+               _decimals(m.group(1)) - (3 if m.group(2) == "K" else 0)) for m in WITH_UNIT.finditer(para)]
+    out = []
+    for m in PCT.finditer(para):
+        s = m.group(1)
+        x, d = float(s), _decimals(s)
+        if _in(x, d, values) or _is_change(x, d, quoted):
+            continue
+        before = para[max(0, m.start() - 80): m.start()].replace("\n", " ")
+        source = next((v for key, v in PCT_SOURCES.items() if key[0] == name and key[1] == s
+                       and before.endswith(key[2])), None)
+        if isinstance(source, str):
+            continue
+        if source is not None:
+            a, b = source
+            if all(any(abs(v - t) <= 1e-9 * max(1.0, abs(t)) for v in values) for t in (a, b)) and \
+                    abs(abs(a / b - 1) * 100 - x) <= 0.5 * 10**-d + 1e-9:
+                continue
+            out.append(f"{name} README line {lineno + para.count(chr(10), 0, m.start())}: {s}% is registered as "
+                       f"|{a} / {b} - 1|, which is not in {files} or not that percentage")
+            continue
+        out.append(f"{name} README line {lineno + para.count(chr(10), 0, m.start())}: {s}% (after {before[-40:]!r}) "
+                   f"is neither in {files} nor the change between two numbers quoted beside it")
+    return out
+
+
+def _is_change(x: float, d: int, quoted: list[tuple[float, int]]) -> bool:
+    """x% = |a / b - 1| for two numbers a, b quoted beside it (each at its own rounding)."""
+    for a, da in quoted:
+        for b, db in quoted:
+            if a and b and a != b:
+                slack = 0.5 * 10**-d + 100 * (a / b) * (0.5 * 10**-da / a + 0.5 * 10**-db / b)
+                if abs(abs(a / b - 1) * 100 - x) <= slack + 1e-9:
+                    return True
+    return False
 
 
 @pytest.mark.parametrize("name", README_NAMES)
@@ -350,6 +424,15 @@ def test_moe_kernels_h100_table_is_its_files_rows():
 def test_every_number_listed_as_not_from_a_file_is_still_in_its_readme():
     flat = {n: readme_text(n).replace("\n", " ") for n in README_NAMES}
     assert not [key for key in NOT_FROM_FILE if key[2] + key[1] not in flat[key[0]]]
+    assert not [key for key in PCT_SOURCES if key[2] + key[1] + "%" not in flat[key[0]]]
+
+
+def test_a_percentage_that_its_file_does_not_give_is_found():
+    """Review helper 156 changed README.md's activation-checkpointing -33% to -39% and the test passed."""
+    text = readme_text("root")
+    assert "−33% peak memory" in text
+    found = numbers_not_in_results("root", text.replace("−33% peak memory", "−39% peak memory"))
+    assert len(found) == 1 and ": 39% " in found[0], found
 
 
 def test_a_number_that_is_not_in_its_file_is_found():
