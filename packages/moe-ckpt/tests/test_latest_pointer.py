@@ -86,3 +86,15 @@ def test_a_pointer_to_a_checkpoint_saved_under_another_name_says_runs_resolve_to
                                          r"folders named as step_dir names them \(resolving to step-00000001") as seen:
         assert find_latest(tmp_path) == step_dir(tmp_path, 1)
     assert not any("deleted" in str(w.message) for w in seen)
+
+
+def test_a_pointer_to_a_symbolic_link_says_runs_never_resolve_to_links(tmp_path):
+    """A link named step-00000007 to a checkpoint elsewhere: 0.21.8 said it was deleted, moved or had lost its
+    index.json (review helper 157)."""
+    _save(tmp_path / "elsewhere", 7)
+    _save(tmp_path / "run", 1)
+    (tmp_path / "run" / "step-00000007").symlink_to(step_dir(tmp_path / "elsewhere", 7))
+    (tmp_path / "run" / "latest").write_text("step-00000007\n")
+    with pytest.warns(UserWarning, match=r"latest names step-00000007, a symbolic link, which runs never resolve to "
+                                         r"\(resolving to step-00000001"):
+        assert find_latest(tmp_path / "run") == step_dir(tmp_path / "run", 1)

@@ -109,6 +109,12 @@ def test_a_failed_collective_with_no_record_to_read_says_so_and_keeps_the_backen
     assert str(stopped).endswith("(its collective failed: " + str(gloo) + ")")
     own = RuntimeError("boom")  # this rank's own error, and one process's: left as they are
     assert explain(own, nobody) is own and explain(gloo, PeerFailures(rank=0, world_size=1)) is gloo
+    # this rank's own misuse of a collective names gloo but no peer: left as it is (0.27.15 relabelled it as a peer
+    # failure; review helper 157)
+    misuse = RuntimeError("ProcessGroupGloo::reduce: invalid root rank: 5")
+    assert failed_collective(misuse) and explain(misuse, nobody) is misuse
+    timed_out = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:446] Timed out waiting 2000ms for recv")
+    assert isinstance(explain(timed_out, nobody), TrainingError)
 
 
 def test_two_ranks_failing_together_each_raise_their_own_error(runs):

@@ -39,9 +39,14 @@ def _file_size_limit(limit: int):  # noqa: ANN202
     return apply
 
 
-def test_a_write_failure_that_names_no_file_is_one_line_naming_the_folder(tmp_path):
+@pytest.mark.parametrize("first_too_large", ["model.safetensors", "tokenizer.json"])
+def test_a_write_failure_on_a_full_disk_is_one_line_naming_the_folder(tmp_path, first_too_large):
+    """model.safetensors: safetensors' error names no file. tokenizer.json (copied first): shutil.copyfile's names
+    the source tokenizer, and went through as a traceback until moe-ckpt 0.21.9 (review helper 157)."""
     source = _tiny_llama(tmp_path / "hf")
     assert (source / "model.safetensors").stat().st_size > 300_000
+    if first_too_large == "tokenizer.json":  # copied as it is, before the weights are written
+        (source / "tokenizer.json").write_text('{"padding": "' + "a" * 200_000 + '"}')
     out = tmp_path / "imported"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-m", "moe_train", "import-hf", str(source), str(out)], env=env,
@@ -50,6 +55,7 @@ def test_a_write_failure_that_names_no_file_is_one_line_naming_the_folder(tmp_pa
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"moe-train: error: the import into {str(out)!r} stopped on "), lines
     assert "File too large" in lines[0] and "is as it was" in lines[0], lines[0]
+    assert ("SafetensorError" if first_too_large == "model.safetensors" else "OSError") in lines[0], lines[0]
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no partial folder left
 
 

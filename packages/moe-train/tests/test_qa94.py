@@ -127,6 +127,16 @@ def test_import_matches_transformers_logits(tmp_path, name):
     assert_imports_exactly(save_random(tmp_path, model_type, **kw))
 
 
+@pytest.mark.parametrize("vocab", ["61", True, 0])
+def test_a_vocab_size_that_is_not_a_positive_integer_is_refused_naming_it(tmp_path, vocab):
+    """0.21.8 checked the token ids against vocab_size before vocab_size itself: "61" ended in a TypeError, true
+    blamed bos_token_id (review helper 157)."""
+    folder = save_random(tmp_path, "llama")
+    edit_config(folder, vocab_size=vocab)
+    with pytest.raises(HFConversionError, match=f"config.json vocab_size={vocab!r}: expected an integer >= 1"):
+        import_hf(folder)
+
+
 @pytest.mark.parametrize("step", [0, -1, 1.5, True])
 def test_a_decoder_sparse_step_that_is_not_a_positive_integer_is_refused_naming_it(tmp_path, step):
     folder = save_random(tmp_path, "qwen3_moe", **MOE, num_experts=4)
@@ -147,6 +157,23 @@ def test_a_folder_with_both_layouts_imports_the_single_file_transformers_loads(t
         (folder / name).write_bytes((sharded / name).read_bytes())
     with pytest.warns(UserWarning, match="holds both model.safetensors and model.safetensors.index.json: reading "
                                          "model.safetensors, the one transformers loads"):
+        assert_imports_exactly(folder)
+
+
+
+def test_an_index_that_names_only_model_safetensors_beside_it_imports_without_a_warning(tmp_path):
+    """One layout described twice: 0.21.8 warned that the folder held both (review helper 157)."""
+    folder = save_random(tmp_path, "llama")
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: "model.safetensors" for n in names}}))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         assert_imports_exactly(folder)
 
 

@@ -114,7 +114,9 @@ def find_latest(root: str | Path) -> Path | None:
     if pointer is not None and pointer not in found:
         taken = (f"resolving to {newest.name}, the newest one there is" if newest is not None
                  else "there is no committed checkpoint to resolve to")
-        if step_of(pointer) is None and pointer.is_dir() and is_complete(pointer):  # e.g. save_checkpoint(run/final)
+        if pointer.is_symlink():  # a save never makes one (list_checkpoints)
+            why = f"a symbolic link, which runs never resolve to ({taken})"
+        elif step_of(pointer) is None and pointer.is_dir() and is_complete(pointer):  # save_checkpoint(run/final)
             why = f"a committed checkpoint, but runs resolve only to folders named as step_dir names them ({taken})"
         else:
             why = f"which is not a committed checkpoint of this run (deleted, moved, or its index.json lost): {taken}"

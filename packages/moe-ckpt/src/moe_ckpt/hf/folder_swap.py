@@ -11,6 +11,7 @@ target (`_clean_leftovers`). Used by the Hugging Face export (moe_ckpt.hf) and m
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -30,8 +31,13 @@ T = TypeVar("T")
 
 
 class FolderWriteError(OSError):
-    """Writing the new folder failed with an error that names no file (a full disk or a file-size limit inside
+    """Writing the new folder failed on a full disk or a file-size limit, or with an error that names no file (inside
     safetensors' writer: "I/O error: File too large"); this one names the target. The target is as it was."""
+
+
+# a full disk, a quota, a file-size limit: whatever file an error of these names (shutil.copyfile names its source),
+# it is the new folder that could not be written
+_NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
 def write_folder_whole(out_dir: str | Path, write: Callable[[Path], T], *,
@@ -60,11 +66,11 @@ def write_folder_whole(out_dir: str | Path, write: Callable[[Path], T], *,
         try:
             result = write(tmp)
         except (OSError, SafetensorError) as e:
-            if isinstance(e, OSError) and e.filename is not None:  # it names its file already
+            if isinstance(e, OSError) and e.filename is not None and e.errno not in _NO_ROOM:  # names its file
                 raise
-            raise FolderWriteError(f"the {what} into {str(final)!r} stopped on {type(e).__name__}: {e} (while writing "
-                                   f"its new folder {tmp.name} beside it; {str(final)!r} is as it was, and the "
-                                   "partial folder is removed)") from e
+            raise FolderWriteError(f"the {what} into {str(final)!r} stopped on {type(e).__name__}: {e} (while its "
+                                   f"new folder {tmp.name} was being written beside it; {str(final)!r} is as it was, "
+                                   "and the partial folder is removed)") from e
         _give_files_the_mode_of_a_new_file(tmp)
         _replace(final, tmp)
     finally:

@@ -81,24 +81,36 @@ def open_safetensors(path: Path):
         raise HFConversionError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from None
 
 
+def _index_map(index: Path) -> dict[str, str]:
+    """model.safetensors.index.json's weight_map (tensor name -> shard file), checked."""
+    weight_map = read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise HFConversionError(f"{index} has no 'weight_map' object (tensor name -> shard file)")
+    bad = sorted({str(f) for f in weight_map.values()
+                  if not isinstance(f, str) or Path(f).name != f or f in ("", ".", "..")})
+    if bad:
+        raise HFConversionError(f"{index} names shard files {bad[:3]} outside the folder; expected plain file names")
+    return dict(weight_map)
+
+
+def _index_names_only(index: Path, name: str) -> bool:
+    """Whether the index maps every tensor to file `name` (one layout, described twice); a damaged index does not."""
+    try:
+        return set(_index_map(index).values()) == {name}
+    except (HFConversionError, ValueError, OSError):  # ignored anyway: model.safetensors is what is read
+        return False
+
+
 def _tensor_files(folder: Path) -> dict[str, str]:
     """Tensor name -> file, from the files transformers would load: model.safetensors when the folder has one (its
     loader looks for it first), else the index's shards."""
     index, single = folder / "model.safetensors.index.json", folder / "model.safetensors"
-    if single.is_file() and index.is_file():
+    if single.is_file() and index.is_file() and not _index_names_only(index, single.name):
         warnings.warn(f"{str(folder)!r} holds both model.safetensors and model.safetensors.index.json: reading "
                       "model.safetensors, the one transformers loads (the index and its shards are ignored; delete "
                       "the layout you do not mean)", stacklevel=3)
     if index.is_file() and not single.is_file():
-        weight_map = read_json_object(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise HFConversionError(f"{index} has no 'weight_map' object (tensor name -> shard file)")
-        bad = sorted({str(f) for f in weight_map.values()
-                      if not isinstance(f, str) or Path(f).name != f or f in ("", ".", "..")})
-        if bad:
-            raise HFConversionError(f"{index} names shard files {bad[:3]} outside the folder; "
-                                    "expected plain file names")
-        return dict(weight_map)
+        return _index_map(index)
     if not single.is_file():
         raise HFConversionError(f"{str(folder)!r} has neither model.safetensors nor model.safetensors.index.json")
     with open_safetensors(single) as f:

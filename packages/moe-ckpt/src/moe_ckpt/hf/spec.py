@@ -363,7 +363,9 @@ def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     }
     # checked here as an export checks them, so that an imported model exports again (a token id past the vocabulary
     # was taken, then refused by the export as "extra_config", a name the user never gave)
-    extra = checked_extra({k: c[k] for k in EXTRA_KEYS if c.get(k) is not None}, c["vocab_size"], "config.json")
+    vocab = c["vocab_size"]  # the token ids below are checked against it: checked first, by name
+    need(c, "vocab_size", isinstance(vocab, int) and not isinstance(vocab, bool) and vocab >= 1, "an integer >= 1")
+    extra = checked_extra({k: c[k] for k in EXTRA_KEYS if c.get(k) is not None}, vocab, "config.json")
     if mt in ("llama", "qwen3"):
         m.update(num_experts=0, dense_layers=[], shared_expert_hidden=0, shared_expert_gate=False)
         return m, extra

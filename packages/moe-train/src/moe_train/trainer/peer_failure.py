@@ -82,14 +82,30 @@ def failed_collective(e: BaseException) -> bool:
     return type(e) is RuntimeError and "gloo" in str(e).lower()
 
 
+# what a collective's error says when its peer went away or stopped answering (gloo: "Connection closed by peer",
+# "Connection reset by peer", "Timed out waiting ...", "Broken pipe"; NCCL: a watchdog timeout, an aborted
+# communicator, "remote process exited or there was a network error"), as opposed to this rank's own misuse of a
+# collective ("ProcessGroupGloo::reduce: invalid root rank: 5"), which names no peer
+_PEER_GONE = ("peer", "timed out", "timeout", "broken pipe", "connection", "aborted", "remote process", "network")
+
+
+def peer_gone(e: BaseException) -> bool:
+    """Whether failed collective `e` says its peer went away or stopped answering."""
+    text = str(e).lower()
+    return failed_collective(e) and any(word in text for word in _PEER_GONE)
+
+
 def explain(e: BaseException, failures: PeerFailures) -> BaseException:
     """`e`, or a TrainingError naming the other rank whose failure `e` (a failed collective) passed on; with no
-    record to read (a rank killed outright, one that stopped answering), a TrainingError saying what that leaves."""
+    record to read, when `e` says its peer went away (a rank killed outright, one that stopped answering), a
+    TrainingError saying what that leaves. This rank's own error (its misuse of a collective included) stays as is."""
     if not failed_collective(e) or failures.world_size == 1:
         return e
     backend = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
     cause = failures.first_cause()
     if cause is None:
+        if not peer_gone(e):
+            return e
         stopped = TrainingError(
             f"rank {failures.rank} of {failures.world_size} stopped: a collective failed and no other rank's error "
             "could be read (a rank killed outright, e.g. by SIGKILL or the out-of-memory killer; one that stopped "
