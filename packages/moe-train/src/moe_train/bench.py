@@ -115,7 +115,8 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
     counts = count_params(m)
     return {
         "preset": cfg.preset, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "commit": source_commit(), "steps": steps, "warmup": warmup, "tokens_per_step": tokens // steps,
+        "torch": torch.__version__, "commit": source_commit(), "steps": steps, "warmup": warmup,
+        "tokens_per_step": tokens // steps,
         "step_ms": elapsed / steps * 1e3, "tokens_per_s": tps, "model_tflops": fpt * tps / 1e12,
         "mfu": (fpt * tps / 1e12 / peak) if peak else None, "peak_tflops_bf16": peak,
         "peak_mem_gib": peak_mem_max,

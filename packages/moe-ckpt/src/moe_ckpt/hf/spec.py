@@ -387,7 +387,8 @@ def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         # transformers makes layer i sparse when `i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0`:
         # an index of mlp_only_layers outside the layers names no layer.
         layers = range(c["num_hidden_layers"])
-        dense = sorted({i for i in c.get("mlp_only_layers") or [] if i in layers} | {i for i in layers if (i + 1) % step})
+        only_mlp = {i for i in c.get("mlp_only_layers") or [] if i in layers}
+        dense = sorted(only_mlp | {i for i in layers if (i + 1) % step})
         m.update(num_experts=experts, dense_layers=dense, shared_expert_hidden=shared,
                  shared_expert_gate=mt == "qwen2_moe" and gated and shared > 0)
     else:  # glm4_moe
