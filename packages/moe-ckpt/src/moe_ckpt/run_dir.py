@@ -104,16 +104,15 @@ def find_latest(root: str | Path) -> Path | None:
     root = Path(root)
     found = list_checkpoints(root)
     newest = found[-1] if found else None
+    taken = (f"resolving to {newest.name}, the newest one there is" if newest is not None
+             else "there is no committed checkpoint to resolve to")  # what either warning below says happens
     try:
         pointer = read_latest(root) if root.is_dir() else None
     except (UnicodeDecodeError, IsADirectoryError):  # a damaged pointer, which resolution does not need (I/O raises)
-        warnings.warn(f"{root / LATEST} cannot be read as a pointer (not UTF-8 text, or a folder): ignored; "
-                      + (f"resolving to {newest.name}, the newest committed checkpoint" if newest is not None
-                         else "there is no committed checkpoint"), stacklevel=2)
+        warnings.warn(f"{root / LATEST} cannot be read as a pointer (not UTF-8 text, or a folder): ignored; {taken}",
+                      stacklevel=2)
         pointer = None
     if pointer is not None and pointer not in found:
-        taken = (f"resolving to {newest.name}, the newest one there is" if newest is not None
-                 else "there is no committed checkpoint to resolve to")
         if pointer.is_symlink():  # a save never makes one (list_checkpoints)
             why = f"a symbolic link, which runs never resolve to ({taken})"
         elif step_of(pointer) is None and pointer.is_dir() and is_complete(pointer):  # save_checkpoint(run/final)
