@@ -29,6 +29,7 @@ import safetensors
 import torch
 
 from moe_ckpt import AsyncCheckpointer, Box, LoadRequest, ShardSpec, load_checkpoint, save_checkpoint, step_dir
+from provenance import source_commit  # this folder's (the script's own folder is first on sys.path)
 
 
 def make_state(gb: float, n: int, device: str) -> dict[str, torch.Tensor]:
@@ -64,7 +65,7 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem / 2**20, 1),
             "python": platform.python_version(), "torch": torch.__version__,
             "safetensors": safetensors.__version__, "platform": platform.platform(),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "commit": source_commit()}
 
 
 def filesystem(path: Path) -> dict:

@@ -32,6 +32,7 @@ import torch
 
 from moe_ckpt import Box, LoadRequest, ShardSpec, even_split, load_checkpoint, open_checkpoint, save_checkpoint
 from moe_ckpt.index import read_index
+from provenance import source_commit  # this folder's (the script's own folder is first on sys.path)
 
 
 def save_synthetic(path: Path, n: int, world: int) -> None:
@@ -153,7 +154,7 @@ def main() -> None:
     args = ap.parse_args()
     result: dict = {"command": shlex.join(["python", *sys.argv]), "host": platform.node(),
                     "time": datetime.datetime.now().isoformat(timespec="seconds"),
-                    "load_avg": os.getloadavg(), "torch_threads": torch.get_num_threads()}
+                    "load_avg": os.getloadavg(), "torch_threads": torch.get_num_threads(), "commit": source_commit()}
     with tempfile.TemporaryDirectory() as tmp:
         result["synthetic"] = bench_synthetic(Path(tmp), args.tensors, args.world, args.sample)
         print(json.dumps(result["synthetic"], indent=2), flush=True)

@@ -21,6 +21,7 @@ import torch
 
 from moe_ckpt.hf import export_hf_folder, open_hf_folder
 from moe_ckpt.hf.layout import build_plan
+from provenance import source_commit  # this folder's (the script's own folder is first on sys.path)
 
 MODEL = {  # Qwen3-MoE-shaped: 12 layers, d 2048, 16 experts of hidden 1024, top-2, layer 0 dense
     "vocab_size": 50_304, "d_model": 2048, "num_layers": 12, "num_heads": 16, "num_kv_heads": 8, "head_dim": None,
@@ -66,7 +67,7 @@ def main() -> None:
         "write_gb_per_s": round(summary.total_bytes / summary.seconds / 1e9, 3),
         "peak_rss_gib": round(rss_export, 2), "peak_rss_before_export_gib": round(rss_before, 2),
         "fp32_model_gib": round(params * 4 / 2**30, 2), "header_check_seconds": round(check_s, 2),
-        "torch_threads": torch.get_num_threads(), "imported_model_type": folder.model_type,
+        "torch_threads": torch.get_num_threads(), "imported_model_type": folder.model_type, "commit": source_commit(),
         "note": "tensor source generates each tensor on request (seeded by name); includes RNG time",
     }
     print(json.dumps(result, indent=2))

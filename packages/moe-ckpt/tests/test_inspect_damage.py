@@ -5,7 +5,7 @@ shard file index.json records is missing or of another size: they listed every t
 from __future__ import annotations
 
 
-from moe_ckpt import format_checkpoint, inspect_checkpoint
+from moe_ckpt import format_checkpoint, inspect_checkpoint, reports_damage
 
 SHARD0, SHARD1 = "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"
 
@@ -13,6 +13,7 @@ SHARD0, SHARD1 = "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safet
 def test_a_whole_checkpoint_has_no_problems(ck2):
     assert inspect_checkpoint(ck2)["file_problems"] == []
     assert "DAMAGED" not in format_checkpoint(ck2)
+    assert not reports_damage(format_checkpoint(ck2))
 
 
 def test_a_missing_and_a_truncated_shard_are_named(ck2):
@@ -25,6 +26,7 @@ def test_a_missing_and_a_truncated_shard_are_named(ck2):
     lines = format_checkpoint(ck2).splitlines()
     # the first line (0.21.7 put it after the header lines, where `| head -3` hid it; review helper 155)
     assert lines[0] == f"DAMAGED: {'; '.join(want)} (this checkpoint cannot be loaded)", lines[:5]
+    assert reports_damage(format_checkpoint(ck2))  # the one test both commands make for their exit status
 
 
 def test_python_m_moe_ckpt_exits_1_on_a_damaged_checkpoint_and_0_on_a_whole_one(ck2, capsys):

@@ -84,6 +84,9 @@ def test_build_groups_timeout_reaches_the_optimizers_world_group(tmp_path):
 def test_build_groups_timeout_bounds_its_own_agreement_check(tmp_path):
     rank0 = _run("late_rank_at_build_groups", tmp_path)[0]
     assert rank0["outcome"].startswith("RuntimeError"), rank0
+    # moe-parallel 0.13.5: which group and why, not the store's bare "wait timeout after 2000ms, keys: ..."
+    assert "build_groups: rank 0 of 2 could not create the world group" in rank0["outcome"], rank0
+    assert "another rank is late" in rank0["outcome"], rank0
     assert rank0["waited_s"] < 5.0, rank0  # 2 s timeout; rank 1 arrived 6 s late
 
 

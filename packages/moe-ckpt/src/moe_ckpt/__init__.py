@@ -30,9 +30,9 @@ from moe_ckpt.rng import capture_rng_state, check_rng_state, restore_rng_state
 from moe_ckpt.run_dir import apply_retention, find_latest, list_checkpoints, step_dir, step_of
 from moe_ckpt.save import save_checkpoint
 from moe_ckpt.spec import LoadRequest, ShardSpec
-from moe_ckpt.summary import format_checkpoint, inspect_checkpoint
+from moe_ckpt.summary import format_checkpoint, inspect_checkpoint, reports_damage
 
-__version__ = "0.21.10"
+__version__ = "0.22.0"
 
 __all__ = [
     "AsyncCheckpointer",
@@ -70,6 +70,7 @@ __all__ = [
     "load_checkpoint",
     "load_metadata",
     "open_checkpoint",
+    "reports_damage",
     "restore_rng_state",
     "save_checkpoint",
     "split_flat_buffer",

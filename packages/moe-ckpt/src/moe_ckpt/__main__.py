@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from moe_ckpt.errors import CheckpointError
-from moe_ckpt.summary import format_checkpoint
+from moe_ckpt.summary import format_checkpoint, reports_damage
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m moe_ckpt: {err}", file=sys.stderr)
         return 1
     print(text)
-    return 1 if text.startswith("DAMAGED:") else 0  # a checkpoint that cannot be loaded fails a script's check
+    return 1 if reports_damage(text) else 0  # a checkpoint that cannot be loaded fails a script's check
 
 
 if __name__ == "__main__":

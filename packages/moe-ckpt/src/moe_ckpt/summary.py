@@ -11,6 +11,8 @@ from moe_ckpt.index import read_index
 from moe_ckpt.load import load_metadata, resolve
 from moe_ckpt.spec import dtype_from_name
 
+DAMAGED = "DAMAGED:"  # how format_checkpoint's text opens when the checkpoint cannot be loaded
+
 
 def inspect_checkpoint(path: str | Path) -> dict:
     """{"path", "format_version", "world_size", "files", "tensors": {name: {shape, dtype, pieces}}, "metadata",
@@ -59,9 +61,15 @@ def format_checkpoint(path: str | Path, *, notes: Callable[[dict], Sequence[str]
              *(notes(meta) if notes is not None else ())]
     if info["file_problems"]:  # what the table below would hide: the tensors' data is not all there (first, so that
         # `| head` shows it)
-        lines.insert(0, f"DAMAGED: {'; '.join(info['file_problems'])} (this checkpoint cannot be loaded)")
+        lines.insert(0, f"{DAMAGED} {'; '.join(info['file_problems'])} (this checkpoint cannot be loaded)")
     width = max((len(n) for n in info["tensors"]), default=0)
     for name, t in info["tensors"].items():
         lines.append(f"  {name:<{width}}  {t['dtype']:<9} {str(tuple(t['shape'])):<20} {len(t['pieces'])} pieces")
     return "\n".join(lines)
 
+
+
+def reports_damage(text: str) -> bool:
+    """Whether `text`, format_checkpoint's, says the checkpoint cannot be loaded (its first line is the DAMAGED one):
+    the test a command makes for its exit status."""
+    return text.startswith(DAMAGED)

@@ -59,7 +59,7 @@ def build_groups(layout: ParallelLayout, num_experts: int, timeout: timedelta | 
     world_size = dist.get_world_size()
     # made first, so that the agreement check below (a late rank, a wrong layout) waits `timeout`, not the default
     # group's; the same call on every rank whatever its layout
-    world = dist.group.WORLD if timeout is None else dist.new_group(list(range(world_size)), timeout=timeout)
+    world = dist.group.WORLD if timeout is None else _new_group(list(range(world_size)), timeout, "world")
     # Every rank must create the same groups in the same order: a rank given another layout (or expert count) would
     # make other new_group calls, and the ranks wait in them until the store times out (torch's default: 30 minutes).
     what, device = "build_groups: the layout and num_experts", collective_device(world)
@@ -80,7 +80,20 @@ def build_groups(layout: ParallelLayout, num_experts: int, timeout: timedelta | 
         ("dp_forward", layout.dp_groups()),
     ):
         for ranks in rank_lists:
-            group = dist.new_group(ranks, timeout=timeout)
+            group = _new_group(ranks, timeout, kind)
             if coords.rank in ranks:
                 mine[kind] = group
     return ParallelGroups(layout, coords, mine["dp"], mine["ep"], mine["edp"], mine["pp"], world, mine["dp_forward"])
+
+
+def _new_group(ranks: list[int], timeout: timedelta | None, kind: str) -> dist.ProcessGroup:
+    """dist.new_group, its failure (the backend's store or connect timeout: bare "wait timeout after 2000ms, keys:
+    /default_pg/0//1//cpu//0/1" on gloo) raised as one that says which group and what usually causes it."""
+    try:
+        return dist.new_group(ranks, timeout=timeout)
+    except RuntimeError as err:  # DistStoreError and gloo's connect errors are RuntimeErrors
+        waited = "torch's default timeout" if timeout is None else f"timeout={timeout.total_seconds():g} s"
+        raise RuntimeError(
+            f"build_groups: rank {dist.get_rank()} of {dist.get_world_size()} could not create the {kind} group of "
+            f"ranks {ranks} ({waited}): another rank is late, stopped, or called build_groups with another layout "
+            f"or num_experts; the backend said: {type(err).__name__}: {err}") from err

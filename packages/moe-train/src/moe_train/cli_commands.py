@@ -166,7 +166,7 @@ def _resume_hint(cfg) -> str:
 
 def _cmd_inspect(args) -> int:
     """Print what the folder holds; the exit status: 1 for a checkpoint that cannot be loaded (DAMAGED), else 0."""
-    from moe_ckpt import format_checkpoint
+    from moe_ckpt import format_checkpoint, reports_damage
     from moe_train.hf_bridge import hugging_face_model_type
     from moe_train.trainer.checkpoint import checkpoint_root, newest_checkpoint
 
@@ -194,7 +194,7 @@ def _cmd_inspect(args) -> int:
     path = newest_checkpoint(path) or path  # a checkpoints/ folder: its newest complete step, warning of later ones
     text = format_checkpoint(path, notes=_train_data_line)
     print(text)
-    return 1 if text.startswith("DAMAGED:") else 0  # it cannot be loaded: a script's check fails
+    return 1 if reports_damage(text) else 0  # it cannot be loaded: a script's check fails
 
 
 def _is_model_folder(folder: Path) -> bool:
