@@ -8,6 +8,7 @@ not importable by the dotted name pytest gave it, so its folder goes on sys.path
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import os
@@ -15,7 +16,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -103,3 +104,17 @@ def run_gloo_rank(rank: int, port: int, out_dir: str, world: int, timeout_s: flo
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@contextlib.contextmanager
+def one_gloo_rank() -> Iterator[dist.ProcessGroup]:
+    """A gloo group of this process alone (in the test process itself: nothing spawned), destroyed on exit."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

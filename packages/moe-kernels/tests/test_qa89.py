@@ -27,15 +27,13 @@ to some inputs only, no_grad / inference_mode, inductor-compiled layers trained 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import pickle
-import socket
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from moe_kernels import (
@@ -50,6 +48,9 @@ from moe_kernels import (
     swiglu_experts,
 )
 
+sys.path.insert(0, str(Path(__file__).parent))
+import kernels_spawn  # noqa: E402
+
 T, D, H, E, K = 6, 8, 4, 4, 2
 
 
@@ -61,20 +62,6 @@ def _inputs(dtype=torch.float32, seed=0):
     w1 = torch.randn(E, D, 2 * H, generator=g, dtype=dtype) * D**-0.5
     w2 = torch.randn(E, H, D, generator=g, dtype=dtype) * H**-0.5
     return x, ids, weights, w1, w2
-
-
-@contextlib.contextmanager
-def _one_gloo_rank():
-    """A gloo group of this process alone."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 # -- defects ----------------------------------------------------------------------------------------------
@@ -104,7 +91,8 @@ def test_combine_refuses_fp8_rows_naming_the_dtypes_it_takes():
         combine(rows, rm, weights)
     with pytest.raises(ValueError, match=r"expert_out must be floating point .* got dtype=torch.int32"):
         combine(rows.float().int(), rm, weights)  # the integer refusal keeps its words
-    with _one_gloo_rank() as group:  # over expert parallelism, before the row exchange (gloo: "Invalid scalar type")
+    # over expert parallelism, before the row exchange (gloo: "Invalid scalar type")
+    with kernels_spawn.one_gloo_rank() as group:
         dispatcher = AllToAllDispatcher(group, E)
         result = dispatcher.dispatch(x, rm)
         with pytest.raises(ValueError, match=r"expert_out must be floating point .*got dtype=torch.float8_e4m3fn"):
@@ -119,7 +107,7 @@ def test_dispatchers_refuse_a_codec_that_is_no_payload_codec_at_construction():
     for codec in ("bf16", EncodeOnly()):
         with pytest.raises(TypeError, match=r"codec must be a PayloadCodec \(an object with encode\(rows\) and decode"):
             LocalDispatcher(E, codec)
-    with _one_gloo_rank() as group:
+    with kernels_spawn.one_gloo_rank() as group:
         with pytest.raises(TypeError, match=r"codec must be a PayloadCodec .*got 'bf16'"):
             AllToAllDispatcher(group, E, codec="bf16")
 

@@ -105,6 +105,28 @@ def test_config_json_names_the_dtype_of_the_stored_weights_for_old_and_new_reade
     assert transformers.AutoConfig.from_pretrained(str(tmp_path)).torch_dtype == stored
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_the_selection_bias_is_stored_fp32_bit_for_bit_in_every_export(dtype, tmp_path):
+    """GLM's e_score_correction_bias (our router's expert_bias) is stored fp32 whatever the export dtype: the test
+    above excludes it, with bias values exact in fp16, so a mutation audit (review helper 161) that exported it in
+    the weights' dtype passed every stock-class test. Here: values not exact in bf16 or fp16, stored exactly."""
+    model = make_model(**SHAPES["glm4_moe"])
+    state = model.state_dict()
+    biases = sorted(k for k in state if k.endswith("expert_bias"))
+    assert biases, "the glm4_moe shape has no expert bias"
+    with torch.no_grad():
+        for k in biases:
+            state[k].copy_(torch.linspace(-1e-3, 1e-3, state[k].numel()) + 1 / 3)  # 1/3: exact in neither
+    export_hf_folder(dataclasses.asdict(model.cfg), state, tmp_path, dtype=dtype)
+    tensors = {n: t for f in tmp_path.glob("*.safetensors") for n, t in load_file(f).items()}
+    got = {n: t for n, t in tensors.items() if n.endswith(".e_score_correction_bias")}
+    assert len(got) == len(biases) and {t.dtype for t in got.values()} == {torch.float32}
+    for name, t in got.items():
+        layer = name.split("layers.")[1].split(".")[0]
+        (ours,) = [k for k in biases if k.split(".")[1] == layer]
+        assert torch.equal(t, state[ours].float()), name
+
+
 
 def test_the_no_expert_bias_marker_refuses_a_selection_bias_that_is_no_longer_zero(tmp_path):
     """A sigmoid router without expert bias exports a zero e_score_correction_bias and moe_train_expert_bias=false,
