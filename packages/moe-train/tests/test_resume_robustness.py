@@ -244,6 +244,31 @@ def test_a_resume_on_other_training_data_or_with_another_data_seed_says_so(tmp_p
     assert any("windows of data.seq_len" in m and "re-prepared" in m for m in got), got
 
 
+def test_a_resume_with_another_train_seed_says_the_seed_is_not_used(tmp_path, data_dir, make_config):
+    """train.seed is read at step 0 only; a resume goes on from the checkpoint's random state. A changed data.seed
+    warned and a changed train.seed did not (review helper 160, moe-train 0.27.23)."""
+    import warnings
+
+    Trainer(make_config(tmp_path, steps=2, eval_interval=0, save_interval=2)).train()
+
+    def resume_warnings(seed: int) -> tuple[list[str], int]:
+        c = make_config(tmp_path, steps=3, eval_interval=0, save_interval=0)
+        saved_seed = c.train.seed
+        c.train.seed = seed
+        t = Trainer(c)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t.restore(t.resume_point())
+        return [str(w.message) for w in caught if "train.seed" in str(w.message)], saved_seed
+
+    same, saved_seed = resume_warnings(make_config(tmp_path, steps=3).train.seed)
+    assert same == []
+    changed, _ = resume_warnings(saved_seed + 5)
+    assert changed == [f"train.seed={saved_seed + 5} is ignored on resume: the run goes on from the checkpoint's "
+                       f"random state (seeded with train.seed={saved_seed} at step 0); start a new train.run_dir for "
+                       "another seed"], changed
+
+
 class SigtermAtStepTwo(LocalRuntime):
     """SIGTERM to this process after the second step, as torchrun sends it to the other ranks when one fails."""
 

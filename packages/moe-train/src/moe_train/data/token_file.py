@@ -232,8 +232,12 @@ def check_token_ids(window: np.ndarray, vocab_size: int, tokens: np.ndarray, sta
     if window.size and int(window.max()) >= vocab_size:
         first = int(np.argmax(window >= vocab_size))
         name = getattr(tokens, "filename", None) or "the token stream"
-        raise out_of_vocab(f"{name} at token {start + first} (changed since its meta.json was written?)",
-                           int(window[first]), vocab_size, None)
+        # Not "set model.vocab_size >= id + 1": the split passed open_data's check against meta.json (or a scan), so
+        # the file changed after prepare-data wrote it, and its ids no longer match the folder's tokenizer.json.
+        raise DataError(f"{name} at token {start + first}: token id {int(window[first])} >= model.vocab_size="
+                        f"{vocab_size}, though the split passed the id check when the run opened it (meta.json's "
+                        "largest id, or a scan): the file has changed since prepare-data wrote it (overwritten or "
+                        "damaged); prepare the data again")
 
 
 def _chunked_max(tokens: np.ndarray, chunk: int = 1 << 26) -> int:

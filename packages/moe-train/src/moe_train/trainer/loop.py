@@ -75,7 +75,8 @@ class Trainer:
             fail_together(lambda: self._open_data(data_dir), rt.rank, rt.world_size,
                           lambda flags: rt.all_reduce_sum(flags.to(self.device)).cpu(), f"opening data.path={data_dir}")
             if self.is_main:
-                warn_about_settings(cfg, self.device, one_process=isinstance(rt, LocalRuntime))
+                warn_about_settings(cfg, self.device, one_process=isinstance(rt, LocalRuntime),
+                                    train_windows=self.sampler.num_windows)
             torch.manual_seed(t.seed)
             self.model = rt.setup(Transformer(cfg.model, device="meta"))  # each rank allocates only its slice
             # the data's end-of-document id, which the config does not know; the kernel serves the windowed layers
@@ -87,6 +88,8 @@ class Trainer:
             self.step = 0
             self.skipped_steps = 0
             self.consecutive_skips = 0
+            # set by the step whose skip reaches train.max_skipped_steps: raised once that step's record is written
+            self.streak_stop: TrainingError | None = None
             # the eval losses of the whole run, across restarts (saved in each checkpoint's metadata)
             self.first_eval_loss: float | None = None
             self.last_eval_loss: float | None = None
@@ -224,7 +227,7 @@ class Trainer:
             if self.consecutive_skips >= t.max_skipped_steps:
                 last = (f"grad_norm={result.grad_norm}" if loss_finite else
                         f"aux_loss={stats[1]}{self._lm_z_text(stats)} (no update, no grad norm)")
-                raise TrainingError(
+                self.streak_stop = TrainingError(
                     f"loss={stats[0]} / {last} non-finite for {self.consecutive_skips} "
                     f"consecutive steps ({self._streak()}); train.max_skipped_steps={t.max_skipped_steps}"
                 )
@@ -318,6 +321,9 @@ class Trainer:
                                                          self.step)
         if batch_change and self.is_main:
             warnings.warn(batch_change, stacklevel=2)
+        seed_change = resume_checks.train_seed_change(meta.get("config", {}), self.cfg)
+        if seed_change and self.is_main:
+            warnings.warn(seed_change, stacklevel=2)
         # rank 0's generators, on every rank and every layout: all ranks seed with train.seed and draw alike, so
         # their states agree at a save; another layout goes on from the saved state instead of train.seed's
         restore_rng_state(meta["rng"])
@@ -453,7 +459,10 @@ class Trainer:
             self.step += 1
             window_tokens += tokens_per_step
             bar.update(1)
-            if self.step % t.log_interval == 0 or self.step == t.steps:
+            # the step that ends a streak of non-finite ones is logged too, whatever train.log_interval: the
+            # error names it, and metrics.jsonl (the end event's step as well) then shows the whole streak
+            stop, self.streak_stop = self.streak_stop, None
+            if self.step % t.log_interval == 0 or self.step == t.steps or stop is not None:
                 elapsed = clock() - window_start - paused
                 record.update(self._window_metrics(window_tokens, elapsed))
                 self._log(record)
@@ -462,6 +471,8 @@ class Trainer:
                     post["mfu"] = f"{record['mfu']:.1%}"
                 bar.set_postfix(post)
                 window_start, window_tokens, paused = time.perf_counter(), 0, 0.0
+            if stop is not None:
+                raise stop
             if t.eval_interval > 0 and (self.step % t.eval_interval == 0 or self.step == t.steps):
                 started = clock()
                 self.last_eval_loss = self.evaluate()

@@ -13,11 +13,20 @@ def _default(section: type, name: str) -> object:
     return section.__dataclass_fields__[name].default
 
 
-def warn_about_settings(cfg: Config, device: torch.device, one_process: bool = False) -> None:
+def warn_about_settings(cfg: Config, device: torch.device, one_process: bool = False,
+                        train_windows: int | None = None) -> None:
     """A seed the CPU generator truncates, a run that only warms up, a benchmark router, a capacity that drops
-    nothing, and a field set away from its default where this run never reads it (one_process: the run is a
+    nothing, a step that takes more windows than the train split holds (train_windows: its windows of
+    data.seq_len), and a field set away from its default where this run never reads it (one_process: the run is a
     single process without a process group, LocalRuntime). `stacklevel=3` points at the Trainer's caller."""
     t, p = cfg.train, cfg.parallel
+    per_step = t.micro_batch_size * t.grad_accum * p.dp
+    if train_windows is not None and per_step > train_windows:
+        warnings.warn(f"a step takes {per_step} windows (train.micro_batch_size={t.micro_batch_size} x "
+                      f"train.grad_accum={t.grad_accum} x parallel.dp={p.dp}) and the train split holds "
+                      f"{train_windows} of data.seq_len={cfg.data.seq_len}: every step trains on some windows more "
+                      "than once; prepare more data, shorten data.seq_len or take fewer windows a step",
+                      stacklevel=3)
     if device.type == "cpu" and t.seed >= 2**32:
         warnings.warn(f"train.seed={t.seed}: torch's CPU generator keeps the low 32 bits of a seed, so on "
                       f"the CPU this run initialises as train.seed={t.seed % 2**32} does", stacklevel=3)
