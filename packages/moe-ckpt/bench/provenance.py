@@ -18,4 +18,6 @@ def source_commit() -> str | None:
                                  capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return head.stdout.strip() + ("-dirty" if changed.returncode or changed.stdout.strip() else "")
+    if changed.returncode:  # cannot tell whether the tree is clean: no commit rather than a wrong one
+        return None
+    return head.stdout.strip() + ("-dirty" if changed.stdout.strip() else "")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -86,8 +87,28 @@ def test_build_groups_timeout_bounds_its_own_agreement_check(tmp_path):
     assert rank0["outcome"].startswith("RuntimeError"), rank0
     # moe-parallel 0.13.5: which group and why, not the store's bare "wait timeout after 2000ms, keys: ..."
     assert "build_groups: rank 0 of 2 could not create the world group" in rank0["outcome"], rank0
-    assert "another rank is late" in rank0["outcome"], rank0
+    assert "the ranks did not all reach it in time; one of them is late or stopped" in rank0["outcome"], rank0
     assert rank0["waited_s"] < 5.0, rank0  # 2 s timeout; rank 1 arrived 6 s late
+
+
+def test_build_groups_passes_an_error_other_than_a_rendezvous_timeout_through_as_it_is(tmp_path, monkeypatch):
+    """moe-parallel 0.13.5 called every RuntimeError of new_group a late or stopped rank (review helper 162): a
+    backend that cannot start here (no such network interface) or out of memory has nothing to do with the others."""
+    import torch.distributed as dist
+
+    from moe_parallel import ParallelLayout, build_groups
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        def failing(*args, **kwargs):
+            raise RuntimeError("CUDA error: out of memory")
+
+        monkeypatch.setattr(dist, "new_group", failing)
+        with pytest.raises(RuntimeError, match=r"^CUDA error: out of memory$"):
+            build_groups(ParallelLayout(dp=1), 4, timeout=timedelta(seconds=2))
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -246,27 +246,28 @@ def test_a_resume_on_other_training_data_or_with_another_data_seed_says_so(tmp_p
 
 def test_a_resume_with_another_train_seed_says_the_seed_is_not_used(tmp_path, data_dir, make_config):
     """train.seed is read at step 0 only; a resume goes on from the checkpoint's random state. A changed data.seed
-    warned and a changed train.seed did not (review helper 160, moe-train 0.27.23)."""
+    warned and a changed train.seed did not (review helper 160, moe-train 0.27.23). The seed compared is step 0's,
+    carried in every checkpoint: 0.27.23 compared the stored config's, the last resumed command's, so after a
+    resume with seed 7 the original seed 5 was called ignored and 7 not (review helper 162, 0.27.24)."""
     import warnings
 
-    Trainer(make_config(tmp_path, steps=2, eval_interval=0, save_interval=2)).train()
-
-    def resume_warnings(seed: int) -> tuple[list[str], int]:
-        c = make_config(tmp_path, steps=3, eval_interval=0, save_interval=0)
-        saved_seed = c.train.seed
+    def run_to(steps: int, seed: int) -> list[str]:
+        c = make_config(tmp_path, steps=steps, eval_interval=0, save_interval=2)
         c.train.seed = seed
-        t = Trainer(c)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            t.restore(t.resume_point())
-        return [str(w.message) for w in caught if "train.seed" in str(w.message)], saved_seed
+            Trainer(c).train()
+        return [str(w.message) for w in caught if "train.seed" in str(w.message)]
 
-    same, saved_seed = resume_warnings(make_config(tmp_path, steps=3).train.seed)
-    assert same == []
-    changed, _ = resume_warnings(saved_seed + 5)
-    assert changed == [f"train.seed={saved_seed + 5} is ignored on resume: the run goes on from the checkpoint's "
-                       f"random state (seeded with train.seed={saved_seed} at step 0); start a new train.run_dir for "
-                       "another seed"], changed
+    def ignored(seed: int) -> list[str]:
+        return [f"train.seed={seed} is ignored on resume: the run goes on from the checkpoint's random state (seeded "
+                "with train.seed=5 at step 0); start a new train.run_dir for another seed"]
+
+    assert run_to(2, 5) == []
+    assert run_to(4, 7) == ignored(7)
+    assert run_to(6, 5) == []  # step 0's seed again: nothing ignored
+    assert run_to(8, 7) == ignored(7)
+
 
 
 class SigtermAtStepTwo(LocalRuntime):

@@ -87,13 +87,29 @@ def build_groups(layout: ParallelLayout, num_experts: int, timeout: timedelta | 
 
 
 def _new_group(ranks: list[int], timeout: timedelta | None, kind: str) -> dist.ProcessGroup:
-    """dist.new_group, its failure (the backend's store or connect timeout: bare "wait timeout after 2000ms, keys:
-    /default_pg/0//1//cpu//0/1" on gloo) raised as one that says which group and what usually causes it."""
+    """dist.new_group, its rendezvous failing (the store's "wait timeout after 2000ms, keys: /default_pg/0//1//cpu//0/1"
+    or gloo's connect timeout, which name no group and no cause) raised again, of the same type, saying which group
+    and what usually causes it. Any other error (a backend that cannot start here, out of memory) is raised as is."""
     try:
         return dist.new_group(ranks, timeout=timeout)
-    except RuntimeError as err:  # DistStoreError and gloo's connect errors are RuntimeErrors
+    except RuntimeError as err:
+        if not _is_rendezvous_timeout(err):
+            raise
         waited = "torch's default timeout" if timeout is None else f"timeout={timeout.total_seconds():g} s"
-        raise RuntimeError(
-            f"build_groups: rank {dist.get_rank()} of {dist.get_world_size()} could not create the {kind} group of "
-            f"ranks {ranks} ({waited}): another rank is late, stopped, or called build_groups with another layout "
-            f"or num_experts; the backend said: {type(err).__name__}: {err}") from err
+        message = (f"build_groups: rank {dist.get_rank()} of {dist.get_world_size()} could not create the {kind} group "
+                   f"of ranks {ranks} ({waited}): the ranks did not all reach it in time; one of them is late or "
+                   "stopped, or passed build_groups another timeout (None on one rank and a value on another make "
+                   f"different groups); the backend said: {type(err).__name__}: {err}")
+        try:
+            again = type(err)(message)  # a caller catching DistStoreError / DistError still does
+        except Exception:  # noqa: BLE001 - a type that takes no message: the plain one
+            again = RuntimeError(message)
+        raise again from err
+
+
+def _is_rendezvous_timeout(err: RuntimeError) -> bool:
+    """The store timing out on a rank that never wrote its key, or gloo failing to connect to a peer."""
+    if isinstance(err, getattr(dist, "DistStoreError", ())):
+        return True
+    text = str(err).lower()
+    return "connect" in text and ("timeout" in text or "timed out" in text or "refused" in text)

@@ -195,9 +195,12 @@ def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, Toke
         # The largest id prepare-data recorded, else (a folder from before 0.16.0) every token read once. Either way
         # each batch is checked again as it is drawn (check_token_ids): a file changed after meta.json was written.
         recorded = meta["splits"][name].get("max_token_id")
-        top = recorded if _is_recorded_id(recorded, tokens.size) else (int(_chunked_max(tokens)) if tokens.size else -1)
-        if top >= vocab_size:
-            raise out_of_vocab(tok_path, top, vocab_size, meta["vocab_size"])
+        trusted = _is_recorded_id(recorded, tokens.size)
+        top = recorded if trusted else (int(_chunked_max(tokens)) if tokens.size else -1)
+        if top >= vocab_size:  # meta.json's vocab_size is <= vocab_size (checked above): past the folder's own
+            found = "the largest id meta.json records" if trusted else "found by a scan of the split"
+            raise ids_past_the_vocabulary(tok_path, top, vocab_size, f"past the folder's own vocabulary (meta.json: "
+                                          f"vocab_size={meta['vocab_size']}; {found})")
         splits[name] = TokenSplit(tokens, doc_ends)
     return meta, splits
 
@@ -218,11 +221,13 @@ def _is_recorded_id(v: object, num_tokens: int) -> bool:
     return v == -1 if num_tokens == 0 else 0 <= v < 2**32
 
 
-def out_of_vocab(where: object, top: int, vocab_size: int, data_vocab: int | None) -> DataError:
-    needed = max(top + 1, data_vocab or 0)
-    tokenized = f"the data was tokenized with vocab_size={data_vocab}: " if data_vocab is not None else ""
-    return DataError(f"{where}: token id {top} >= model.vocab_size={vocab_size}; {tokenized}set model.vocab_size >= "
-                     f"{needed} (e.g. --model.vocab_size={needed}) or prepare the data with a smaller --vocab-size")
+def ids_past_the_vocabulary(where: object, top: int, vocab_size: int, found: str) -> DataError:
+    """A token id >= model.vocab_size in a folder open_data accepted (its meta.json's vocab_size is at most the
+    model's): an id past the folder's own vocabulary, so its token file and meta.json no longer match. Not "set
+    model.vocab_size >= id + 1", which would train on the damage. found: how the id got past the earlier checks."""
+    return DataError(f"{where}: token id {top} >= model.vocab_size={vocab_size}, {found}: the token file and its "
+                     "meta.json no longer match (one of them changed after prepare-data wrote them, or was damaged); "
+                     "prepare the data again")
 
 
 def check_token_ids(window: np.ndarray, vocab_size: int, tokens: np.ndarray, start: int) -> None:
@@ -232,12 +237,9 @@ def check_token_ids(window: np.ndarray, vocab_size: int, tokens: np.ndarray, sta
     if window.size and int(window.max()) >= vocab_size:
         first = int(np.argmax(window >= vocab_size))
         name = getattr(tokens, "filename", None) or "the token stream"
-        # Not "set model.vocab_size >= id + 1": the split passed open_data's check against meta.json (or a scan), so
-        # the file changed after prepare-data wrote it, and its ids no longer match the folder's tokenizer.json.
-        raise DataError(f"{name} at token {start + first}: token id {int(window[first])} >= model.vocab_size="
-                        f"{vocab_size}, though the split passed the id check when the run opened it (meta.json's "
-                        "largest id, or a scan): the file has changed since prepare-data wrote it (overwritten or "
-                        "damaged); prepare the data again")
+        raise ids_past_the_vocabulary(f"{name} at token {start + first}", int(window[first]), vocab_size,
+                                      "though the split passed the id check when the run opened it (meta.json's "
+                                      "largest id, or a scan)")
 
 
 def _chunked_max(tokens: np.ndarray, chunk: int = 1 << 26) -> int:

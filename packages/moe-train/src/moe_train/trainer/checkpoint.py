@@ -133,7 +133,7 @@ def _check_trainer_fields(path: Path) -> None:
 
 # Integers a resume reads: (least value, required); the others are absent from older checkpoints.
 _COUNTS = {"sampler.samples_seen": (0, True), "sampler.seed": (0, True), "sampler.seq_len": (1, True),
-           "sampler.num_windows": (1, False), "consecutive_skips": (0, False)}
+           "sampler.num_windows": (1, False), "consecutive_skips": (0, False), "initial_seed": (0, False)}
 
 
 def check_run_dir_writable(run_dir: str | Path, saves: bool) -> None:

@@ -88,6 +88,9 @@ class Trainer:
             self.step = 0
             self.skipped_steps = 0
             self.consecutive_skips = 0
+            # the train.seed step 0 was seeded with: carried in every checkpoint, so a resume compares a changed
+            # train.seed with it, not with the last resumed command's (which each save stores in its config)
+            self.initial_seed = t.seed
             # set by the step whose skip reaches train.max_skipped_steps: raised once that step's record is written
             self.streak_stop: TrainingError | None = None
             # the eval losses of the whole run, across restarts (saved in each checkpoint's metadata)
@@ -284,6 +287,7 @@ class Trainer:
         p = self.cfg.parallel
         return {
             "step": self.step, "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
+            "initial_seed": self.initial_seed,
             "first_eval_loss": self.first_eval_loss, "last_eval_loss": self.last_eval_loss,
             "sampler": self.sampler.state_dict(), "train_data": split_identity(self.meta, "train"),
             "config": self.cfg.to_dict(), "rng": capture_rng_state(),
@@ -321,7 +325,10 @@ class Trainer:
                                                          self.step)
         if batch_change and self.is_main:
             warnings.warn(batch_change, stacklevel=2)
-        seed_change = resume_checks.train_seed_change(meta.get("config", {}), self.cfg)
+        # checkpoints before moe-train 0.27.24 do not record it: the stored config's seed (the last resumed command's)
+        stored_seed = meta.get("config", {}).get("train", {}).get("seed", self.cfg.train.seed)
+        self.initial_seed = meta.get("initial_seed", stored_seed)
+        seed_change = resume_checks.train_seed_change(self.initial_seed, self.cfg)
         if seed_change and self.is_main:
             warnings.warn(seed_change, stacklevel=2)
         # rank 0's generators, on every rank and every layout: all ranks seed with train.seed and draw alike, so

@@ -172,12 +172,11 @@ def global_batch_change(saved: dict[str, Any], saved_layout: dict[str, Any], cfg
             "tokens, and the lr schedule goes on by step (train.steps and train.warmup_steps count steps, not tokens)")
 
 
-def train_seed_change(saved: dict[str, Any], cfg: Config) -> str | None:
-    """A one-line warning when this run's train.seed differs from the stored config's (saved) of the checkpoint it
-    resumes: the seed is read at step 0 only (the init, then every random draw), and a resume goes on from the
-    checkpoint's RNG state, so the new seed changes nothing; None when it is the same or not recorded."""
-    before = saved.get("train", {}).get("seed")
-    if before is None or before == cfg.train.seed:
+def train_seed_change(before: int, cfg: Config) -> str | None:
+    """A one-line warning when this run's train.seed differs from `before`, the seed the resumed run's step 0 was
+    seeded with: the seed is read at step 0 only (the init, then every random draw), and a resume goes on from the
+    checkpoint's RNG state, so the new seed changes nothing; None when it is the same."""
+    if before == cfg.train.seed:
         return None
     return (f"train.seed={cfg.train.seed} is ignored on resume: the run goes on from the checkpoint's random state "
             f"(seeded with train.seed={before} at step 0); start a new train.run_dir for another seed")
