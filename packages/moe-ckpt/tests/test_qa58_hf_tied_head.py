@@ -61,3 +61,18 @@ def test_a_tied_folder_whose_lm_head_has_another_shape_is_refused_naming_both_sh
     add_head(tied_folder, torch.zeros(63, 32))
     with pytest.raises(HFConversionError, match=r"lm_head\.weight has shape \[63, 32\], expected \[64, 32\]"):
         open_hf_folder(tied_folder)
+
+
+def test_a_head_that_differs_only_in_the_last_chunk_is_refused(tied_folder, monkeypatch):
+    """QA 150 (mutation audit, review helper 163): the check compares _ROWS_PER_COMPARE (4096) rows at a time and
+    the vocabularies here (64) fit in one chunk, so a loop over the first chunk only passed: a head that differs past
+    row 4096 (every real vocabulary has more) would be imported as tied, dropping the folder's own head."""
+    import moe_ckpt.hf.load as hf_load
+
+    monkeypatch.setattr(hf_load, "_ROWS_PER_COMPARE", 8)  # 8 chunks of the 64-row vocabulary
+    head = load_file(str(tied_folder / "model.safetensors"))["model.embed_tokens.weight"].clone()
+    head[61, 3] += 0.5
+    add_head(tied_folder, head)
+    with pytest.raises(HFConversionError,
+                       match=r"lm_head\.weight differs from model\.embed_tokens\.weight .*from row 56"):
+        open_hf_folder(tied_folder)

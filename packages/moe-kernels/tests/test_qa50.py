@@ -9,11 +9,11 @@ route map goes, or a list / numpy array where a tensor goes, raise a TypeError n
 (an AttributeError from deep inside before).
 """
 
-import socket
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from moe_kernels import (
     AllToAllDispatcher,
@@ -25,6 +25,9 @@ from moe_kernels import (
     permute,
     swiglu_experts,
 )
+
+sys.path.insert(0, str(Path(__file__).parent))
+import kernels_spawn  # noqa: E402
 
 T, D, H, E, K = 6, 8, 4, 5, 2  # fp32 rows of 32 and 16 bytes: torch's grouped_mm takes both
 
@@ -146,20 +149,13 @@ def test_local_dispatcher_refuses_a_codec_that_cuts_x_off_the_graph():
 
 def test_all_to_all_dispatcher_refuses_a_codec_that_cuts_x_off_the_graph():
     """One gloo rank, in this process: the refusal travels through the status header as any bad input."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with kernels_spawn.one_gloo_rank() as group:
         rm, (x, *_) = _inputs()
         x.requires_grad_()
         with pytest.raises(ValueError, match=r"codec.encode\(rows\) does not require grad though x does"):
-            AllToAllDispatcher(dist.group.WORLD, E, codec=_BitPattern()).dispatch(x, rm)
-        result = AllToAllDispatcher(dist.group.WORLD, E, codec=_Bf16()).dispatch(x, rm)
+            AllToAllDispatcher(group, E, codec=_BitPattern()).dispatch(x, rm)
+        result = AllToAllDispatcher(group, E, codec=_Bf16()).dispatch(x, rm)
         assert result.rows.requires_grad and result.rows.shape == (T * K, D)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_expert_ids_where_the_route_map_goes_and_non_tensors_are_named():
