@@ -203,26 +203,28 @@ def test_every_bf16_block_config_matches_reference(kind, config):
             assert torch.all(dw[[2, 7]] == 0)
 
 
-def test_triton_permute_combine_match_reference_and_are_deterministic():
+@pytest.mark.parametrize("d", [72, 300, 513])  # wider than the combine backward's 256-column block (QA 150)
+def test_triton_permute_combine_match_reference_and_are_deterministic(d):
     g = torch.Generator().manual_seed(3)
-    T, d, E, k = 999, 72, 64, 6
+    T, E, k = 999, 64, 6
     ids = routing(T, E, k, (2, 9), g).cuda()
     rm = build_route_map(ids, E)
     x = torch.randn(T, d, generator=g).cuda().bfloat16()
     w = torch.rand(T, k, generator=g).cuda()
     y = torch.randn(T * k, d, generator=g).cuda().bfloat16()
+    upstream = torch.randn(T, d, generator=g).cuda().bfloat16()  # column by column different: every chunk counts
     assert torch.equal(moe.permute(x, rm, backend="triton"), moe.permute(x, rm, backend="torch"))
     outs = []
     for _ in range(2):
         yy, ww = y.clone().requires_grad_(), w.clone().requires_grad_()
         out = moe.combine(yy, rm, ww, backend="triton")
-        out.backward(torch.ones_like(out))
+        out.backward(upstream)
         outs.append((out, yy.grad, ww.grad))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
     yy, ww = y.float().requires_grad_(), w.clone().requires_grad_()
     ref = moe.combine(yy, rm, ww, backend="torch")
-    ref.backward(torch.ones_like(ref))
+    ref.backward(upstream.float())
     assert rel(outs[0][0].float(), ref) < 1e-2
     assert rel(outs[0][1].float(), yy.grad) < 1e-2 and rel(outs[0][2], ww.grad) < 1e-2
 
