@@ -33,7 +33,7 @@ def test_token_ids_beyond_model_vocab_are_refused(data_dir):
     meta = json.loads((data_dir / "meta.json").read_text())
     meta["vocab_size"] = 100
     (data_dir / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(DataError, match=r"token id \d+ >= model.vocab_size=100"):
+    with pytest.raises(DataError, match=r"token id \d+ >= vocab_size=100"):
         open_data(data_dir, 100)
 
 

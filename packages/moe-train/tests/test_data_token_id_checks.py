@@ -30,7 +30,7 @@ def test_a_folder_that_records_its_largest_id_opens_without_reading_its_tokens(d
     top = meta["splits"]["train"]["max_token_id"]
     meta["vocab_size"] = top  # below the model's, so the recorded id alone refuses it
     (data_dir / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(DataError, match=rf"train.u32: token id {top} >= model.vocab_size={top}"):
+    with pytest.raises(DataError, match=rf"train.u32: token id {top} >= vocab_size={top}"):
         open_data(data_dir, top)
 
 
@@ -42,8 +42,8 @@ def test_a_folder_from_before_the_record_is_scanned(data_dir):
     (data_dir / "meta.json").write_text(json.dumps(meta))
     # the folder's own vocabulary is the model's: the advice is to prepare the data again (before moe-train 0.27.24,
     # "set model.vocab_size >= id + 1", which would train on the damage; review helper 162)
-    with pytest.raises(DataError, match=r"train.u32: token id \d+ >= model.vocab_size=100, past the folder's own "
-                                        r"vocabulary \(meta.json: vocab_size=100; found by a scan of the split\): the "
+    with pytest.raises(DataError, match=r"train.u32: token id \d+ >= vocab_size=100, past the folder's own "
+                                        r"vocabulary \(meta.json; model.vocab_size=100; found by a scan of the split\): the "
                                         r"token file and its meta.json no longer match .*; prepare the data again$"):
         open_data(data_dir, 100)
 
@@ -61,7 +61,7 @@ def test_a_token_file_changed_after_its_meta_is_caught_when_its_window_is_drawn(
     for _ in range(1000 // 33):  # the windows before it are fine
         sampler.next_batch(1)
     # not "set model.vocab_size >= 70001", which helper 160 found on a damaged file whose meta.json matched the model
-    with pytest.raises(DataError, match=r"train.u32 at token 1000: token id 70000 >= model.vocab_size=512, though "
+    with pytest.raises(DataError, match=r"train.u32 at token 1000: token id 70000 >= vocab_size=512, though "
                                         r"the split passed the id check .*: the token file and its meta.json no "
                                         r"longer match .*; prepare the data again$"):
         for _ in range(3):
@@ -71,7 +71,7 @@ def test_a_token_file_changed_after_its_meta_is_caught_when_its_window_is_drawn(
 def test_an_eval_split_changed_after_its_meta_is_caught_when_the_eval_set_is_built(data_dir):
     poison(data_dir / "eval.u32", 5, 9_999)
     _, splits = open_data(data_dir, 512)
-    with pytest.raises(DataError, match=r"eval.u32 at token 5: token id 9999 >= model.vocab_size=512"):
+    with pytest.raises(DataError, match=r"eval.u32 at token 5: token id 9999 >= vocab_size=512"):
         eval_windows(splits["eval"].tokens, 32, 8, 4, vocab_size=512)
 
 
@@ -84,5 +84,42 @@ def test_the_trainer_checks_the_windows_it_draws(tmp_path, data_dir, make_config
     tokens.tofile(data_dir / "train.u32")
     cfg = make_config(tmp_path, steps=2, eval_interval=0, save_interval=0)
     cfg.data.path = str(data_dir)
-    with pytest.raises(DataError, match=r"train.u32 at token \d+: token id 600 >= model.vocab_size=512"):
+    with pytest.raises(DataError, match=r"train.u32 at token \d+: token id 600 >= vocab_size=512"):
+        Trainer(cfg).train()
+
+
+def test_ids_past_the_datas_vocabulary_but_below_the_models_are_refused(tmp_path, data_dir, make_config):
+    """A model larger than its data's vocabulary (model.vocab_size 512, prepare-data's BPE of 300): an id in
+    [300, 512) is one the tokenizer cannot emit, so the token file is damaged. Before moe-train 0.27.25 only ids
+    >= model.vocab_size were refused, and such damage trained silently (review helper 162)."""
+    from moe_train.trainer.loop import Trainer
+
+    bound = 300  # the data's vocabulary: its ids clamped below it, as a 300-token tokenizer would emit them
+    meta = json.loads((data_dir / "meta.json").read_text())
+    for name in ("train", "eval"):
+        split = np.minimum(np.fromfile(data_dir / f"{name}.u32", dtype="<u4"), bound - 1)
+        split.tofile(data_dir / f"{name}.u32")
+        meta["splits"][name]["max_token_id"] = int(split.max())
+    meta["vocab_size"] = bound
+    (data_dir / "meta.json").write_text(json.dumps(meta))
+    tokens = np.fromfile(data_dir / "train.u32", dtype="<u4")
+    open_data(data_dir, 512)  # undamaged: opens
+
+    # recorded largest id: refused at open, naming both vocabularies
+    meta["splits"]["train"]["max_token_id"] = bound
+    (data_dir / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match=rf"train.u32: token id {bound} >= vocab_size={bound}, past the folder's "
+                                        rf"own vocabulary \(meta.json; model.vocab_size=512; the largest id meta.json "
+                                        r"records\): .*prepare the data again$"):
+        open_data(data_dir, 512)
+
+    # a file damaged after meta.json was written: caught when the trainer draws its window
+    meta["splits"]["train"]["max_token_id"] = bound - 1
+    (data_dir / "meta.json").write_text(json.dumps(meta))
+    tokens[::50] = bound
+    tokens.tofile(data_dir / "train.u32")
+    cfg = make_config(tmp_path, steps=2, eval_interval=0, save_interval=0)
+    cfg.data.path = str(data_dir)
+    assert cfg.model.vocab_size == 512
+    with pytest.raises(DataError, match=rf"train.u32 at token \d+: token id {bound} >= vocab_size={bound}, though"):
         Trainer(cfg).train()

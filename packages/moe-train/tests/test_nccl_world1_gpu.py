@@ -197,7 +197,7 @@ def test_a_token_file_changed_after_its_meta_stops_the_nccl_run_with_the_data_er
     tokens.tofile(data_dir / "train.u32")
     trainer = Trainer(nccl_config(make_config, tmp_path, data_dir, steps=2, eval_interval=0, save_interval=0))
     assert_on_nccl(trainer)
-    with pytest.raises(DataError, match=r"train.u32 at token \d+: token id 70000 >= model.vocab_size=512"):
+    with pytest.raises(DataError, match=r"train.u32 at token \d+: token id 70000 >= vocab_size=512"):
         trainer.train()
     assert not dist.is_initialized(), "the Trainer did not destroy its process group"
     end = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])

@@ -162,7 +162,8 @@ def other_tokens(saved: Any, now: dict) -> bool:
 
 
 def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, TokenSplit]]:
-    """Open a data folder and check every token id is < vocab_size (the model's)."""
+    """Open a data folder: its meta.json's vocab_size is at most vocab_size (the model's), and every token id is
+    below meta.json's vocab_size (the ids its tokenizer can emit)."""
     root = Path(folder)
     if root.exists() and not root.is_dir():
         raise DataError(f"data.path={str(root)!r} is a file: expected a data folder written by `moe-train "
@@ -197,10 +198,11 @@ def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, Toke
         recorded = meta["splits"][name].get("max_token_id")
         trusted = _is_recorded_id(recorded, tokens.size)
         top = recorded if trusted else (int(_chunked_max(tokens)) if tokens.size else -1)
-        if top >= vocab_size:  # meta.json's vocab_size is <= vocab_size (checked above): past the folder's own
+        if top >= meta["vocab_size"]:  # past the folder's own vocabulary (at most the model's, checked above): an id
+            # its tokenizer cannot emit, below model.vocab_size or not (before 0.27.25 only ids >= model.vocab_size)
             found = "the largest id meta.json records" if trusted else "found by a scan of the split"
-            raise ids_past_the_vocabulary(tok_path, top, vocab_size, f"past the folder's own vocabulary (meta.json: "
-                                          f"vocab_size={meta['vocab_size']}; {found})")
+            raise ids_past_the_vocabulary(tok_path, top, meta["vocab_size"], f"past the folder's own vocabulary "
+                                          f"(meta.json; model.vocab_size={vocab_size}; {found})")
         splits[name] = TokenSplit(tokens, doc_ends)
     return meta, splits
 
@@ -222,18 +224,19 @@ def _is_recorded_id(v: object, num_tokens: int) -> bool:
 
 
 def ids_past_the_vocabulary(where: object, top: int, vocab_size: int, found: str) -> DataError:
-    """A token id >= model.vocab_size in a folder open_data accepted (its meta.json's vocab_size is at most the
-    model's): an id past the folder's own vocabulary, so its token file and meta.json no longer match. Not "set
-    model.vocab_size >= id + 1", which would train on the damage. found: how the id got past the earlier checks."""
-    return DataError(f"{where}: token id {top} >= model.vocab_size={vocab_size}, {found}: the token file and its "
+    """A token id >= vocab_size, the folder's own vocabulary (meta.json's, at most the model's: open_data checks it):
+    its token file and meta.json no longer match. Not "set model.vocab_size >= id + 1", which would train on the
+    damage. found: how the id got past the earlier checks."""
+    return DataError(f"{where}: token id {top} >= vocab_size={vocab_size}, {found}: the token file and its "
                      "meta.json no longer match (one of them changed after prepare-data wrote them, or was damaged); "
                      "prepare the data again")
 
 
 def check_token_ids(window: np.ndarray, vocab_size: int, tokens: np.ndarray, start: int) -> None:
-    """A drawn window of `tokens` (from token `start`) holds no id >= vocab_size: the embedding would index past
-    its table (on a GPU, a device-side assert that ends the process without naming the data). The folder was
-    checked when opened; this finds a token file changed since its meta.json was written."""
+    """A drawn window of `tokens` (from token `start`) holds no id >= vocab_size (the trainer passes the data's
+    meta.json vocab_size): past the model's, the embedding would index past its table (on a GPU, a device-side
+    assert that ends the process without naming the data); past the data's alone, it would train on damage. The
+    folder was checked when opened; this finds a token file changed since its meta.json was written."""
     if window.size and int(window.max()) >= vocab_size:
         first = int(np.argmax(window >= vocab_size))
         name = getattr(tokens, "filename", None) or "the token stream"

@@ -115,11 +115,12 @@ class Trainer:
             raise
 
     def _open_data(self, data_dir: Path) -> None:
-        """The training sampler and the eval windows from `data_dir`, every token id checked against the model's."""
+        """The training sampler and the eval windows from `data_dir`, every token id checked against the data's own
+        vocabulary (meta.json's vocab_size, at most the model's: open_data checks it)."""
         cfg, t = self.cfg, self.cfg.train
         self.meta, splits = open_data(data_dir, cfg.model.vocab_size)
         self.data_dir = data_dir
-        vocab = cfg.model.vocab_size
+        vocab = self.meta["vocab_size"]
         self.sampler = WindowSampler(splits["train"].tokens, cfg.data.seq_len, cfg.data.seed, vocab_size=vocab)
         self.eval_data = eval_windows(splits["eval"].tokens, cfg.data.seq_len, t.eval_windows,
                                       t.micro_batch_size, vocab_size=vocab)
