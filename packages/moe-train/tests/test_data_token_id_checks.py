@@ -43,8 +43,8 @@ def test_a_folder_from_before_the_record_is_scanned(data_dir):
     # the folder's own vocabulary is the model's: the advice is to prepare the data again (before moe-train 0.27.24,
     # "set model.vocab_size >= id + 1", which would train on the damage; review helper 162)
     with pytest.raises(DataError, match=r"train.u32: token id \d+ >= vocab_size=100, past the folder's own "
-                                        r"vocabulary \(meta.json; model.vocab_size=100; found by a scan of the split\): the "
-                                        r"token file and its meta.json no longer match .*; prepare the data again$"):
+                                        r"vocabulary \(meta.json; model.vocab_size=100; found by a scan of the "
+                                        r"split\): the token file and its meta.json no longer match .*; prepare the data again$"):
         open_data(data_dir, 100)
 
 
