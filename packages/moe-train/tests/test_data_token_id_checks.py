@@ -28,9 +28,10 @@ def test_a_folder_that_records_its_largest_id_opens_without_reading_its_tokens(d
     meta, splits = open_data(data_dir, 512)
     assert splits["train"].tokens.size == meta["splits"]["train"]["num_tokens"]
     top = meta["splits"]["train"]["max_token_id"]
-    meta["vocab_size"] = top  # below the model's, so the recorded id alone refuses it
+    meta["vocab_size"] = top  # the recorded id alone (no token read) says the model of `top` cannot embed it
     (data_dir / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(DataError, match=rf"train.u32: token id {top} >= vocab_size={top}"):
+    with pytest.raises(DataError, match=rf"tokenized with vocab_size={top + 1} \(meta.json: vocab_size={top}, and its "
+                                        rf"splits record ids up to {top}\), larger than model.vocab_size={top}"):
         open_data(data_dir, top)
 
 
@@ -43,8 +44,9 @@ def test_a_folder_from_before_the_record_is_scanned(data_dir):
     # the folder's own vocabulary is the model's: the advice is to prepare the data again (before moe-train 0.27.24,
     # "set model.vocab_size >= id + 1", which would train on the damage; review helper 162)
     with pytest.raises(DataError, match=r"train.u32: token id \d+ >= vocab_size=100, past the folder's own "
-                                        r"vocabulary \(meta.json; model.vocab_size=100; found by a scan of the "
-                                        r"split\): the token file and its meta.json no longer match .*; prepare the data again$"):
+                                        r"vocabulary and the model's \(meta.json: vocab_size=100; found by a scan of "
+                                        r"the split\): the token file and its meta.json no longer match .*; prepare "
+                                        r"the data again$"):
         open_data(data_dir, 100)
 
 
@@ -61,8 +63,9 @@ def test_a_token_file_changed_after_its_meta_is_caught_when_its_window_is_drawn(
     for _ in range(1000 // 33):  # the windows before it are fine
         sampler.next_batch(1)
     # not "set model.vocab_size >= 70001", which helper 160 found on a damaged file whose meta.json matched the model
-    with pytest.raises(DataError, match=r"train.u32 at token 1000: token id 70000 >= vocab_size=512, though "
-                                        r"the split passed the id check .*: the token file and its meta.json no "
+    with pytest.raises(DataError, match=r"train.u32 at token 1000: token id 70000 >= vocab_size=512, the data "
+                                        r"folder's own vocabulary as the run opened it, though the split passed the "
+                                        r"id check then .*: the token file and its meta.json no "
                                         r"longer match .*; prepare the data again$"):
         for _ in range(3):
             sampler.next_batch(1)
@@ -89,9 +92,9 @@ def test_the_trainer_checks_the_windows_it_draws(tmp_path, data_dir, make_config
 
 
 def test_ids_past_the_datas_vocabulary_but_below_the_models_are_refused(tmp_path, data_dir, make_config):
-    """A model larger than its data's vocabulary (model.vocab_size 512, prepare-data's BPE of 300): an id in
-    [300, 512) is one the tokenizer cannot emit, so the token file is damaged. Before moe-train 0.27.25 only ids
-    >= model.vocab_size were refused, and such damage trained silently (review helper 162)."""
+    """A model larger than its data's vocabulary (model.vocab_size 512, a 300-token tokenizer): an id in [300, 512)
+    is one the tokenizer cannot emit, so a token file holding one was damaged after prepare-data. Before moe-train
+    0.27.25 only ids >= model.vocab_size were refused, and such damage trained silently (review helper 162)."""
     from moe_train.trainer.loop import Trainer
 
     bound = 300  # the data's vocabulary: its ids clamped below it, as a 300-token tokenizer would emit them
@@ -102,24 +105,52 @@ def test_ids_past_the_datas_vocabulary_but_below_the_models_are_refused(tmp_path
         meta["splits"][name]["max_token_id"] = int(split.max())
     meta["vocab_size"] = bound
     (data_dir / "meta.json").write_text(json.dumps(meta))
+    _, splits = open_data(data_dir, 512)
+    assert splits["train"].id_bound == splits["eval"].id_bound == bound
+
     tokens = np.fromfile(data_dir / "train.u32", dtype="<u4")
-    open_data(data_dir, 512)  # undamaged: opens
-
-    # recorded largest id: refused at open, naming both vocabularies
-    meta["splits"]["train"]["max_token_id"] = bound
-    (data_dir / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(DataError, match=rf"train.u32: token id {bound} >= vocab_size={bound}, past the folder's "
-                                        rf"own vocabulary \(meta.json; model.vocab_size=512; the largest id meta.json "
-                                        r"records\): .*prepare the data again$"):
-        open_data(data_dir, 512)
-
-    # a file damaged after meta.json was written: caught when the trainer draws its window
-    meta["splits"]["train"]["max_token_id"] = bound - 1
-    (data_dir / "meta.json").write_text(json.dumps(meta))
-    tokens[::50] = bound
+    tokens[::50] = bound  # damaged after meta.json was written: caught when the trainer draws its window
     tokens.tofile(data_dir / "train.u32")
     cfg = make_config(tmp_path, steps=2, eval_interval=0, save_interval=0)
     cfg.data.path = str(data_dir)
     assert cfg.model.vocab_size == 512
-    with pytest.raises(DataError, match=rf"train.u32 at token \d+: token id {bound} >= vocab_size={bound}, though"):
+    with pytest.raises(DataError, match=rf"train.u32 at token \d+: token id {bound} >= vocab_size={bound}, the data"):
         Trainer(cfg).train()
+
+
+def test_a_folder_whose_vocab_size_counts_tokens_not_ids_still_opens(data_dir):
+    """moe-train 0.16.0-0.19.3 wrote a tokenizer's token count as vocab_size, below its largest id + 1 where ids skip,
+    and prepare-data before 0.27.25 left out ids a post-processor adds (review helper 166): the ids the splits record
+    are the tokenizer's, so they widen the folder's vocabulary rather than being called damage. A folder without the
+    record (before 0.16.0) is bounded by the model's vocabulary alone, as before."""
+    meta = json.loads((data_dir / "meta.json").read_text())
+    top = max(split["max_token_id"] for split in meta["splits"].values())
+    meta["vocab_size"] = top - 10
+    (data_dir / "meta.json").write_text(json.dumps(meta))
+    _, splits = open_data(data_dir, 4096)
+    assert splits["train"].id_bound == top + 1
+    for split in meta["splits"].values():
+        del split["max_token_id"]
+    (data_dir / "meta.json").write_text(json.dumps(meta))
+    _, splits = open_data(data_dir, 4096)
+    assert splits["train"].id_bound == 4096
+
+
+def test_prepare_data_counts_the_ids_a_post_processor_adds(tmp_path):
+    """A tokenizer whose post-processor adds a special token outside its vocabulary (id 5000 on a 4-token WordLevel):
+    meta.json's vocab_size covers it, so the train command prepare-data prints embeds it (before 0.27.25: vocab_size=4,
+    and the folder was refused at every model size; review helper 166)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from moe_train.data import prepare_data
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "<|endoftext|>": 1, "a": 2, "b": 3}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 5000)])
+    tok.save(str(tmp_path / "tok.json"))
+    docs = ["a b a b", "b a", "a a b b a"] * 50
+    out = prepare_data(docs, tmp_path / "data", tokenizer_path=str(tmp_path / "tok.json"))
+    meta = json.loads((out / "meta.json").read_text())
+    assert max(split["max_token_id"] for split in meta["splits"].values()) == 5000
+    assert meta["vocab_size"] == 5001
+    open_data(out, 5001)

@@ -176,8 +176,10 @@ def _build(docs: Iterable[str], tmp: Path, vocab_size: int, tokenizer_path: str 
     encoding.require_documents()
     block, splits = _split_stream_file(stream, num_tokens, tmp, eval_fraction, eos_id)
     stream.unlink()
+    # the ids the tokenizer emitted count too: a post-processor's special token need not be in its vocabulary
+    vocab_size = max(_vocab_size(tok), 1 + max(split["max_token_id"] for split in splits.values()))
     write_meta(tmp, {
-        "format": FORMAT, "vocab_size": _vocab_size(tok), "eos_id": eos_id, "tokenizer": "tokenizer.json",
+        "format": FORMAT, "vocab_size": vocab_size, "eos_id": eos_id, "tokenizer": "tokenizer.json",
         "source": source, "corpus_sha256_16": encoding.sha256.hexdigest()[:16],
         "eval_block_tokens": block, "splits": splits,  # the blocks used: a small corpus gets smaller ones
     })

@@ -35,6 +35,7 @@ class DataError(ValueError):
 class TokenSplit:
     tokens: np.ndarray  # [N] uint32 memmap
     doc_ends: np.ndarray  # [D] uint64 memmap
+    id_bound: int  # every id of the split is below it (open_data's check; the trainer checks each window against it)
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -174,10 +175,17 @@ def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, Toke
     if not meta_path.is_file():
         raise DataError(f"data.path={str(root)!r} has no meta.json: expected a folder written by `moe-train prepare-data`")
     meta = read_meta(meta_path)
-    if meta["vocab_size"] > vocab_size:  # before any token is read: a scan of a large corpus takes minutes
-        raise DataError(f"{meta_path}: the data was tokenized with vocab_size={meta['vocab_size']}, larger than "
+    recorded = {name: meta["splits"][name].get("max_token_id") for name in ("train", "eval")}
+    trusted = {name: _is_recorded_id(top, meta["splits"][name]["num_tokens"]) for name, top in recorded.items()}
+    # The ids the folder's tokenizer emitted: meta.json's vocab_size, or past it the largest id prepare-data
+    # recorded (a folder from before 0.19.4 counted a tokenizer's tokens, not its largest id + 1, where ids skip)
+    data_vocab = max([meta["vocab_size"]] + [recorded[n] + 1 for n in recorded if trusted[n]])
+    if data_vocab > vocab_size:  # before any token is read: a scan of a large corpus takes minutes
+        held = "" if data_vocab == meta["vocab_size"] else (f" (meta.json: vocab_size={meta['vocab_size']}, and its "
+                                                            f"splits record ids up to {data_vocab - 1})")
+        raise DataError(f"{meta_path}: the data was tokenized with vocab_size={data_vocab}{held}, larger than "
                         f"model.vocab_size={vocab_size}: the model cannot embed ids its tokenizer.json emits; "
-                        f"set model.vocab_size >= {meta['vocab_size']} (e.g. --model.vocab_size={meta['vocab_size']}) "
+                        f"set model.vocab_size >= {data_vocab} (e.g. --model.vocab_size={data_vocab}) "
                         f"or prepare the data with --vocab-size {vocab_size}")
     splits: dict[str, TokenSplit] = {}
     for name in ("train", "eval"):
@@ -193,17 +201,16 @@ def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, Toke
             raise DataError(f"{tok_path}: holds {tokens.size} tokens ({size} bytes of uint32) but meta.json says "
                             f"{expected}; the file is truncated, or not of this meta.json")
         doc_ends = _doc_ends(doc_path, tokens.size)
-        # The largest id prepare-data recorded, else (a folder from before 0.16.0) every token read once. Either way
-        # each batch is checked again as it is drawn (check_token_ids): a file changed after meta.json was written.
-        recorded = meta["splits"][name].get("max_token_id")
-        trusted = _is_recorded_id(recorded, tokens.size)
-        top = recorded if trusted else (int(_chunked_max(tokens)) if tokens.size else -1)
-        if top >= meta["vocab_size"]:  # past the folder's own vocabulary (at most the model's, checked above): an id
-            # its tokenizer cannot emit, below model.vocab_size or not (before 0.27.25 only ids >= model.vocab_size)
-            found = "the largest id meta.json records" if trusted else "found by a scan of the split"
-            raise ids_past_the_vocabulary(tok_path, top, meta["vocab_size"], f"past the folder's own vocabulary "
-                                          f"(meta.json; model.vocab_size={vocab_size}; {found})")
-        splits[name] = TokenSplit(tokens, doc_ends)
+        # A split whose largest id prepare-data recorded is within data_vocab by construction; one from before the
+        # record (0.16.0) is read once, and bounded by the model's vocabulary alone (its vocab_size may count tokens
+        # rather than ids, see above), as before 0.27.25. Either way each batch is checked again as it is drawn
+        # (check_token_ids): a file changed after meta.json was written.
+        bound = data_vocab if trusted[name] else vocab_size
+        top = -1 if trusted[name] or not tokens.size else int(_chunked_max(tokens))
+        if top >= bound:
+            raise ids_past_the_vocabulary(tok_path, top, bound, f"past the folder's own vocabulary and the model's "
+                                          f"(meta.json: vocab_size={meta['vocab_size']}; found by a scan of the split)")
+        splits[name] = TokenSplit(tokens, doc_ends, bound)
     return meta, splits
 
 
@@ -241,8 +248,8 @@ def check_token_ids(window: np.ndarray, vocab_size: int, tokens: np.ndarray, sta
         first = int(np.argmax(window >= vocab_size))
         name = getattr(tokens, "filename", None) or "the token stream"
         raise ids_past_the_vocabulary(f"{name} at token {start + first}", int(window[first]), vocab_size,
-                                      "though the split passed the id check when the run opened it (meta.json's "
-                                      "largest id, or a scan)")
+                                      "the data folder's own vocabulary as the run opened it, though the split "
+                                      "passed the id check then (meta.json's largest id, or a scan)")
 
 
 def _chunked_max(tokens: np.ndarray, chunk: int = 1 << 26) -> int:

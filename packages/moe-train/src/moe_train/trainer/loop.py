@@ -115,15 +115,15 @@ class Trainer:
             raise
 
     def _open_data(self, data_dir: Path) -> None:
-        """The training sampler and the eval windows from `data_dir`, every token id checked against the data's own
-        vocabulary (meta.json's vocab_size, at most the model's: open_data checks it)."""
+        """The training sampler and the eval windows from `data_dir`, every token id checked against the bound
+        open_data gives each split: the data's own vocabulary (meta.json's, at most the model's)."""
         cfg, t = self.cfg, self.cfg.train
         self.meta, splits = open_data(data_dir, cfg.model.vocab_size)
         self.data_dir = data_dir
-        vocab = self.meta["vocab_size"]
-        self.sampler = WindowSampler(splits["train"].tokens, cfg.data.seq_len, cfg.data.seed, vocab_size=vocab)
-        self.eval_data = eval_windows(splits["eval"].tokens, cfg.data.seq_len, t.eval_windows,
-                                      t.micro_batch_size, vocab_size=vocab)
+        train, held_out = splits["train"], splits["eval"]
+        self.sampler = WindowSampler(train.tokens, cfg.data.seq_len, cfg.data.seed, vocab_size=train.id_bound)
+        self.eval_data = eval_windows(held_out.tokens, cfg.data.seq_len, t.eval_windows,
+                                      t.micro_batch_size, vocab_size=held_out.id_bound)
         # eval_windows' upper bound
         self.eval_split_windows = (splits["eval"].tokens.size - 1) // cfg.data.seq_len
         if t.eval_interval > 0 and not self.eval_data:
