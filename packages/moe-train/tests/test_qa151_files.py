@@ -141,12 +141,12 @@ def test_a_failed_meta_write_leaves_the_previous_meta_json_whole(tmp_path, monke
 # the folder is checked again before the new one is renamed in.
 
 
-DOCS = [f"def f{i}(x):\n    return x + {i}\n" * 20 for i in range(40)]
+RACE_DOCS = [f"def f{i}(x):\n    return x + {i}\n" * 20 for i in range(40)]
 
 
 def test_a_file_arriving_during_the_build_is_kept(tmp_path, monkeypatch):
     out = tmp_path / "data"
-    prep.prepare_data(DOCS, out, vocab_size=300)
+    prep.prepare_data(RACE_DOCS, out, vocab_size=300)
     real_build = prep._build
 
     def build_then_someone_writes(*args, **kwargs):
@@ -155,7 +155,7 @@ def test_a_file_arriving_during_the_build_is_kept(tmp_path, monkeypatch):
 
     monkeypatch.setattr(prep, "_build", build_then_someone_writes)
     with pytest.raises(DataError, match="notes.txt"):
-        prep.prepare_data(DOCS, out, vocab_size=300)
+        prep.prepare_data(RACE_DOCS, out, vocab_size=300)
     assert (out / "notes.txt").read_text() == "mine"
 
 
@@ -163,7 +163,7 @@ def test_a_file_arriving_during_the_build_is_kept(tmp_path, monkeypatch):
 # whole document.
 
 
-DOCS = [" ".join(f"word{i % 37} value{i % 11}" for i in range(k * 50, k * 50 + 300)) for k in range(12)]
+PIECE_DOCS = [" ".join(f"word{i % 37} value{i % 11}" for i in range(k * 50, k * 50 + 300)) for k in range(12)]
 
 
 def _tokens(folder):
@@ -173,9 +173,9 @@ def _tokens(folder):
 
 
 def test_pieces_give_one_eos_per_document(tmp_path):
-    assert all(len(d) > 1000 for d in DOCS)
-    eos, pieces = _tokens(prepare_data(DOCS, tmp_path / "p", vocab_size=300, eval_fraction=0.25, piece_chars=64))
-    assert int((pieces == eos).sum()) == len(DOCS)
+    assert all(len(d) > 1000 for d in PIECE_DOCS)
+    eos, pieces = _tokens(prepare_data(PIECE_DOCS, tmp_path / "p", vocab_size=300, eval_fraction=0.25, piece_chars=64))
+    assert int((pieces == eos).sum()) == len(PIECE_DOCS)
 
 
 # prepare-data / inspect warn of a split shorter than one window (seq_len + 1 tokens), not of one that holds one.
@@ -202,3 +202,21 @@ def test_inspect_names_a_partial_checkpoint(tmp_path, capsys):
     assert main(["inspect", str(partial)]) != 0
     err = capsys.readouterr().err
     assert "partial checkpoint" in err and "holds no checkpoint" not in err, err
+
+
+def test_prepare_data_puts_every_file_and_both_folders_on_disk_before_and_after_the_rename(tmp_path, monkeypatch):
+    """tokenizer.json is fsynced like the token files and meta.json, the finished folder's entries before it is
+    renamed into place and the parent's after (helper 164: tokenizer.json was saved without an fsync, and no folder
+    was fsynced, so a power loss could leave an empty tokenizer.json beside fsynced token files)."""
+    from moe_train.data import prepare as prep
+
+    events: list[str] = []
+    real_sync, real_replace = prep.fsync_path, prep.os.replace
+    monkeypatch.setattr(prep, "fsync_path", lambda path: (events.append(f"sync {path}"), real_sync(path))[1])
+    monkeypatch.setattr(prep.os, "replace", lambda a, b: (events.append(f"rename {a} {b}"), real_replace(a, b))[1])
+    out = tmp_path / "data"
+    prep.prepare_data(RACE_DOCS, out, vocab_size=300)
+    tmp = f"{out}.tmp-{os.getpid()}"
+    install = events.index(f"rename {tmp} {out}")
+    assert events.index(f"sync {tmp}/tokenizer.json") < events.index(f"sync {tmp}") < install, events
+    assert events[-1] == f"sync {tmp_path}", events

@@ -20,7 +20,7 @@ import numpy as np
 
 from tokenizers import Tokenizer
 
-from moe_train.data.token_file import FORMAT, DataError, SplitWriter, write_meta
+from moe_train.data.token_file import FORMAT, DataError, SplitWriter, fsync_path, write_meta
 from moe_train.data.tokenizer import (EOS, PIECE_CHARS, _cuts_safely, _document_pieces, _eos_id,
                                       _post_processor_ends_with, _vocab_size, load_tokenizer, train_bpe)
 # importable from here, where they were before the tokenizer's code moved to tokenizer.py (trainer.data_setup, tests)
@@ -161,6 +161,7 @@ def _build(docs: Iterable[str], tmp: Path, vocab_size: int, tokenizer_path: str 
                           f"to merge); meta.json records vocab_size={got}", stacklevel=3)
     eos_id = _eos_id(tok, tokenizer_path, eos_token)
     tok.save(str(tmp / "tokenizer.json"))
+    fsync_path(tmp / "tokenizer.json")  # as the token files and meta.json are: a power loss leaves no empty one
     # A document's text "<|endoftext|>" (code about tokenizers, say) is text, not the end of the document. Set
     # after saving: the tokenizer.json users load keeps the library's default.
     tok.encode_special_tokens = True
@@ -226,7 +227,9 @@ def _remove_leftovers(out: Path) -> None:
 def _install(tmp: Path, out: Path) -> None:
     """Put the finished folder `tmp` at `out`: the old folder is renamed aside, the new one renamed in, and only
     then is the old one deleted. `out` is at every moment the old folder whole, absent, or the new one whole;
-    a run killed while deleting never leaves a half-deleted folder that still has its meta.json."""
+    a run killed while deleting never leaves a half-deleted folder that still has its meta.json. Its files are on
+    disk already; the folder's entries are put there before the rename, and the rename after it."""
+    fsync_path(tmp)
     old = out.with_name(out.name + f".old-{os.getpid()}")
     for _ in range(10):  # another prepare on the same folder may put its own in between: move that aside too
         try:
@@ -242,6 +245,7 @@ def _install(tmp: Path, out: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
     else:
         raise DataError(f"--out {str(out)!r}: other processes keep writing it; could not put {str(tmp)!r} in place")
+    fsync_path(out.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 

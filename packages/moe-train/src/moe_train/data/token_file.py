@@ -38,6 +38,15 @@ class TokenSplit:
     id_bound: int  # every id of the split is below it (open_data's check; the trainer checks each window against it)
 
 
+def fsync_path(path: Path) -> None:
+    """Put a file's bytes, or a folder's entries (its files' creations and renames), on disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
