@@ -30,17 +30,17 @@ def test_data_of_a_larger_vocab_is_refused_before_its_tokens_are_read(data_dir, 
 
 def test_token_ids_beyond_model_vocab_are_refused(data_dir):
     """A meta.json whose vocab_size is below the ids its splits record (ids 0..511, vocab_size edited to 100) is
-    refused for a model of 100 naming the ids, before any token is read; with no record, the scan finds them."""
+    refused naming the record, before any token is read; with no record, the scan finds them."""
     meta = json.loads((data_dir / "meta.json").read_text())
     meta["vocab_size"] = 100
     (data_dir / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(DataError, match=r"tokenized with vocab_size=512 \(meta.json: vocab_size=100, and its splits "
-                                        r"record ids up to 511\), larger than model.vocab_size=100"):
+    with pytest.raises(DataError, match=r"splits.train.max_token_id=511 >= its vocab_size=100: meta.json does not "
+                                        r"hold together"):
         open_data(data_dir, 100)
     for split in meta["splits"].values():
         del split["max_token_id"]
     (data_dir / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(DataError, match=r"token id 511 >= vocab_size=100"):
+    with pytest.raises(DataError, match=r"token id 511 >= model.vocab_size=100"):
         open_data(data_dir, 100)
 
 

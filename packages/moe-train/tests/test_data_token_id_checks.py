@@ -30,8 +30,8 @@ def test_a_folder_that_records_its_largest_id_opens_without_reading_its_tokens(d
     top = meta["splits"]["train"]["max_token_id"]
     meta["vocab_size"] = top  # the recorded id alone (no token read) says the model of `top` cannot embed it
     (data_dir / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(DataError, match=rf"tokenized with vocab_size={top + 1} \(meta.json: vocab_size={top}, and its "
-                                        rf"splits record ids up to {top}\), larger than model.vocab_size={top}"):
+    with pytest.raises(DataError, match=rf"splits.train.max_token_id={top} >= its vocab_size={top}: meta.json does "
+                                        r"not hold together .*prepare the data again$"):
         open_data(data_dir, top)
 
 
@@ -43,9 +43,9 @@ def test_a_folder_from_before_the_record_is_scanned(data_dir):
     (data_dir / "meta.json").write_text(json.dumps(meta))
     # the folder's own vocabulary is the model's: the advice is to prepare the data again (before moe-train 0.27.24,
     # "set model.vocab_size >= id + 1", which would train on the damage; review helper 162)
-    with pytest.raises(DataError, match=r"train.u32: token id \d+ >= vocab_size=100, past the folder's own "
-                                        r"vocabulary and the model's \(meta.json: vocab_size=100; found by a scan of "
-                                        r"the split\): the token file and its meta.json no longer match .*; prepare "
+    with pytest.raises(DataError, match=r"train.u32: token id \d+ >= model.vocab_size=100, past the folder's own "
+                                        r"vocabulary too \(meta.json: vocab_size=100; found by a scan of the "
+                                        r"split\): the token file and its meta.json no longer match .*; prepare "
                                         r"the data again$"):
         open_data(data_dir, 100)
 
@@ -63,9 +63,9 @@ def test_a_token_file_changed_after_its_meta_is_caught_when_its_window_is_drawn(
     for _ in range(1000 // 33):  # the windows before it are fine
         sampler.next_batch(1)
     # not "set model.vocab_size >= 70001", which helper 160 found on a damaged file whose meta.json matched the model
-    with pytest.raises(DataError, match=r"train.u32 at token 1000: token id 70000 >= vocab_size=512, the data "
-                                        r"folder's own vocabulary as the run opened it, though the split passed the "
-                                        r"id check then .*: the token file and its meta.json no "
+    with pytest.raises(DataError, match=r"train.u32 at token 1000: token id 70000 >= vocab_size=512, the split's "
+                                        r"bound when the run opened it .*, though the split passed the id check then "
+                                        r".*: the token file and its meta.json no "
                                         r"longer match .*; prepare the data again$"):
         for _ in range(3):
             sampler.next_batch(1)
@@ -114,26 +114,29 @@ def test_ids_past_the_datas_vocabulary_but_below_the_models_are_refused(tmp_path
     cfg = make_config(tmp_path, steps=2, eval_interval=0, save_interval=0)
     cfg.data.path = str(data_dir)
     assert cfg.model.vocab_size == 512
-    with pytest.raises(DataError, match=rf"train.u32 at token \d+: token id {bound} >= vocab_size={bound}, the data"):
+    with pytest.raises(DataError, match=rf"train.u32 at token \d+: token id {bound} >= vocab_size={bound}, the split"):
         Trainer(cfg).train()
 
 
-def test_a_folder_whose_vocab_size_counts_tokens_not_ids_still_opens(data_dir):
-    """moe-train 0.16.0-0.19.3 wrote a tokenizer's token count as vocab_size, below its largest id + 1 where ids skip,
-    and prepare-data before 0.27.25 left out ids a post-processor adds (review helper 166): the ids the splits record
-    are the tokenizer's, so they widen the folder's vocabulary rather than being called damage. A folder without the
-    record (before 0.16.0) is bounded by the model's vocabulary alone, as before."""
+def test_a_folder_whose_recorded_ids_pass_its_vocab_size_is_refused_naming_the_cause(data_dir):
+    """moe-train 0.16.0-0.19.3 wrote a tokenizer's token count as vocab_size, short of its largest id + 1 where ids
+    skip, and prepare-data before 0.27.25 left out ids a post-processor adds (review helper 166): such a meta.json
+    records a largest id >= its vocab_size. It is refused at open naming that, not at a drawn window as a damaged
+    token file; taking the recorded ids as the vocabulary instead (tried on review) told a user whose max_token_id
+    was damaged to raise model.vocab_size to 2**32 (helper 168). A folder without the record (before 0.16.0) is
+    bounded by the model's vocabulary alone, as before."""
     meta = json.loads((data_dir / "meta.json").read_text())
-    top = max(split["max_token_id"] for split in meta["splits"].values())
+    top = meta["splits"]["train"]["max_token_id"]
     meta["vocab_size"] = top - 10
     (data_dir / "meta.json").write_text(json.dumps(meta))
-    _, splits = open_data(data_dir, 4096)
-    assert splits["train"].id_bound == top + 1
+    with pytest.raises(DataError, match=rf"splits.train.max_token_id={top} >= its vocab_size={top - 10}: meta.json "
+                                        r"does not hold together \(moe-train before 0.19.4 .*prepare the data again$"):
+        open_data(data_dir, 4096)
     for split in meta["splits"].values():
         del split["max_token_id"]
     (data_dir / "meta.json").write_text(json.dumps(meta))
     _, splits = open_data(data_dir, 4096)
-    assert splits["train"].id_bound == 4096
+    assert splits["train"].id_bound == splits["eval"].id_bound == 4096
 
 
 def test_prepare_data_counts_the_ids_a_post_processor_adds(tmp_path):

@@ -54,7 +54,7 @@ def test_a_recorded_largest_id_of_minus_one_on_a_split_with_tokens_is_not_truste
     tokens[-1] = 600  # past the last full window: only a scan at open finds it
     tokens.tofile(data_dir / "train.u32")
     set_recorded(data_dir, "train", -1)  # "no tokens", for a split that has them
-    with pytest.raises(DataError, match=r"train.u32: token id 600 >= vocab_size=512"):
+    with pytest.raises(DataError, match=r"train.u32: token id 600 >= model.vocab_size=512"):
         open_data(data_dir, 512)
 
 

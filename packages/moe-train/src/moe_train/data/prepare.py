@@ -245,8 +245,12 @@ def _install(tmp: Path, out: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
     else:
         raise DataError(f"--out {str(out)!r}: other processes keep writing it; could not put {str(tmp)!r} in place")
-    fsync_path(out.parent)
     shutil.rmtree(old, ignore_errors=True)
+    try:  # the new folder is in place: a failure here is reported, not raised
+        fsync_path(out.parent)
+    except OSError as e:
+        warnings.warn(f"--out {str(out)!r} is in place, but its parent folder could not be put on disk ({e}): a "
+                      "power loss now could leave the old folder there", stacklevel=3)
 
 
 def prepare_data(

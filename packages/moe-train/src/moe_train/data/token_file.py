@@ -14,6 +14,7 @@ A data folder holds:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -35,14 +36,18 @@ class DataError(ValueError):
 class TokenSplit:
     tokens: np.ndarray  # [N] uint32 memmap
     doc_ends: np.ndarray  # [D] uint64 memmap
-    id_bound: int  # every id of the split is below it (open_data's check; the trainer checks each window against it)
+    id_bound: int  # the ids the split may hold are below it (the trainer checks each drawn window against it)
 
 
 def fsync_path(path: Path) -> None:
-    """Put a file's bytes, or a folder's entries (its files' creations and renames), on disk."""
+    """Put a file's bytes, or a folder's entries (its files' creations and renames), on disk. A folder on a file
+    system that cannot fsync one (some network and FUSE file systems: EINVAL, ENOTSUP, EBADF) is left as it is."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:
+        if not (path.is_dir() and e.errno in (errno.EINVAL, errno.ENOTSUP, errno.EBADF)):
+            raise OSError(e.errno, f"fsync of {path}: {e.strerror}") from None
     finally:
         os.close(fd)
 
@@ -172,8 +177,9 @@ def other_tokens(saved: Any, now: dict) -> bool:
 
 
 def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, TokenSplit]]:
-    """Open a data folder: its meta.json's vocab_size is at most vocab_size (the model's), and every token id is
-    below meta.json's vocab_size (the ids its tokenizer can emit)."""
+    """Open a data folder: its meta.json's vocab_size is at most vocab_size (the model's), each split's recorded
+    largest id is below it, and each split's `id_bound` is the bound its drawn windows are checked against:
+    meta.json's vocab_size (the ids its tokenizer emitted), or the model's for a split without the record."""
     root = Path(folder)
     if root.exists() and not root.is_dir():
         raise DataError(f"data.path={str(root)!r} is a file: expected a data folder written by `moe-train "
@@ -184,18 +190,19 @@ def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, Toke
     if not meta_path.is_file():
         raise DataError(f"data.path={str(root)!r} has no meta.json: expected a folder written by `moe-train prepare-data`")
     meta = read_meta(meta_path)
+    if meta["vocab_size"] > vocab_size:  # before any token is read: a scan of a large corpus takes minutes
+        raise DataError(f"{meta_path}: the data was tokenized with vocab_size={meta['vocab_size']}, larger than "
+                        f"model.vocab_size={vocab_size}: the model cannot embed ids its tokenizer.json emits; "
+                        f"set model.vocab_size >= {meta['vocab_size']} (e.g. --model.vocab_size={meta['vocab_size']}) "
+                        f"or prepare the data with --vocab-size {vocab_size}")
     recorded = {name: meta["splits"][name].get("max_token_id") for name in ("train", "eval")}
     trusted = {name: _is_recorded_id(top, meta["splits"][name]["num_tokens"]) for name, top in recorded.items()}
-    # The ids the folder's tokenizer emitted: meta.json's vocab_size, or past it the largest id prepare-data
-    # recorded (a folder from before 0.19.4 counted a tokenizer's tokens, not its largest id + 1, where ids skip)
-    data_vocab = max([meta["vocab_size"]] + [recorded[n] + 1 for n in recorded if trusted[n]])
-    if data_vocab > vocab_size:  # before any token is read: a scan of a large corpus takes minutes
-        held = "" if data_vocab == meta["vocab_size"] else (f" (meta.json: vocab_size={meta['vocab_size']}, and its "
-                                                            f"splits record ids up to {data_vocab - 1})")
-        raise DataError(f"{meta_path}: the data was tokenized with vocab_size={data_vocab}{held}, larger than "
-                        f"model.vocab_size={vocab_size}: the model cannot embed ids its tokenizer.json emits; "
-                        f"set model.vocab_size >= {data_vocab} (e.g. --model.vocab_size={data_vocab}) "
-                        f"or prepare the data with --vocab-size {vocab_size}")
+    for name, top in recorded.items():
+        if trusted[name] and top >= meta["vocab_size"]:
+            raise DataError(f"{meta_path}: splits.{name}.max_token_id={top} >= its vocab_size={meta['vocab_size']}: "
+                            "meta.json does not hold together (moe-train before 0.19.4 recorded a tokenizer's token "
+                            "count, short of its largest id + 1 where ids skip, and before 0.27.25 left out ids a "
+                            "post-processor adds; or meta.json was edited or damaged); prepare the data again")
     splits: dict[str, TokenSplit] = {}
     for name in ("train", "eval"):
         tok_path, doc_path = root / f"{name}.u32", root / f"{name}.docs.u64"
@@ -210,15 +217,16 @@ def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, Toke
             raise DataError(f"{tok_path}: holds {tokens.size} tokens ({size} bytes of uint32) but meta.json says "
                             f"{expected}; the file is truncated, or not of this meta.json")
         doc_ends = _doc_ends(doc_path, tokens.size)
-        # A split whose largest id prepare-data recorded is within data_vocab by construction; one from before the
-        # record (0.16.0) is read once, and bounded by the model's vocabulary alone (its vocab_size may count tokens
-        # rather than ids, see above), as before 0.27.25. Either way each batch is checked again as it is drawn
-        # (check_token_ids): a file changed after meta.json was written.
-        bound = data_vocab if trusted[name] else vocab_size
+        # A split whose largest id prepare-data recorded is within meta.json's vocab_size (checked above); one from
+        # before the record (0.16.0) is read once, and bounded by the model's vocabulary alone (its vocab_size may
+        # count tokens rather than ids, see above), as before 0.27.25. Either way each batch is checked again as it
+        # is drawn (check_token_ids): a file changed after meta.json was written.
+        bound = meta["vocab_size"] if trusted[name] else vocab_size
         top = -1 if trusted[name] or not tokens.size else int(_chunked_max(tokens))
         if top >= bound:
-            raise ids_past_the_vocabulary(tok_path, top, bound, f"past the folder's own vocabulary and the model's "
-                                          f"(meta.json: vocab_size={meta['vocab_size']}; found by a scan of the split)")
+            raise ids_past_the_vocabulary(tok_path, top, f"model.vocab_size={vocab_size}", "past the folder's own "
+                                          f"vocabulary too (meta.json: vocab_size={meta['vocab_size']}; found by a "
+                                          "scan of the split)")
         splits[name] = TokenSplit(tokens, doc_ends, bound)
     return meta, splits
 
@@ -239,11 +247,11 @@ def _is_recorded_id(v: object, num_tokens: int) -> bool:
     return v == -1 if num_tokens == 0 else 0 <= v < 2**32
 
 
-def ids_past_the_vocabulary(where: object, top: int, vocab_size: int, found: str) -> DataError:
-    """A token id >= vocab_size, the folder's own vocabulary (meta.json's, at most the model's: open_data checks it):
-    its token file and meta.json no longer match. Not "set model.vocab_size >= id + 1", which would train on the
-    damage. found: how the id got past the earlier checks."""
-    return DataError(f"{where}: token id {top} >= vocab_size={vocab_size}, {found}: the token file and its "
+def ids_past_the_vocabulary(where: object, top: int, bound: str, found: str) -> DataError:
+    """A token id past the folder's own vocabulary (meta.json's, at most the model's: open_data checks it): its token
+    file and meta.json no longer match. Not "set model.vocab_size >= id + 1", which would train on the damage.
+    bound: the limit crossed, named ("vocab_size=300"); found: how the id got past the earlier checks."""
+    return DataError(f"{where}: token id {top} >= {bound}, {found}: the token file and its "
                      "meta.json no longer match (one of them changed after prepare-data wrote them, or was damaged); "
                      "prepare the data again")
 
@@ -256,9 +264,10 @@ def check_token_ids(window: np.ndarray, vocab_size: int, tokens: np.ndarray, sta
     if window.size and int(window.max()) >= vocab_size:
         first = int(np.argmax(window >= vocab_size))
         name = getattr(tokens, "filename", None) or "the token stream"
-        raise ids_past_the_vocabulary(f"{name} at token {start + first}", int(window[first]), vocab_size,
-                                      "the data folder's own vocabulary as the run opened it, though the split "
-                                      "passed the id check then (meta.json's largest id, or a scan)")
+        raise ids_past_the_vocabulary(f"{name} at token {start + first}", int(window[first]), f"vocab_size="
+                                      f"{vocab_size}", "the split's bound when the run opened it (meta.json's "
+                                      "vocab_size; model.vocab_size for a folder prepared before moe-train 0.16.0), "
+                                      "though the split passed the id check then (meta.json's largest id, or a scan)")
 
 
 def _chunked_max(tokens: np.ndarray, chunk: int = 1 << 26) -> int:
