@@ -129,6 +129,15 @@ class AllToAllContext:
     dispatch_index: int
 
 
+def _as_written(capacity_factor: numbers.Real) -> Fraction:
+    """The factor as its shortest decimal reads: str() of a float, a numpy float32 (np.float32(0.3) is '0.3', where
+    float() widens it to 0.30000001192092896 first) or a Decimal; a Fraction as it is."""
+    try:
+        return Fraction(str(capacity_factor))
+    except ValueError:
+        return Fraction(capacity_factor)
+
+
 def check_capacity_factor(capacity_factor: object) -> None:
     """A capacity factor is a finite real number >= 0 (0 = dropless): a bool is an int to Python (True would
     silently cap at 1.0), and None or a string would fail later with a bare TypeError."""
@@ -151,6 +160,7 @@ class AllToAllDispatcher:
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.ep_size
         self.capacity_factor = capacity_factor
+        self._capacity_fraction = _as_written(capacity_factor)
         self.codec = checked_codec(codec)
         self._dispatches = 0  # counted on entry, so every EP rank counts alike, refused calls included
         self._experts_agreed = False  # checked at the first dispatch, one small collective
@@ -220,7 +230,7 @@ class AllToAllDispatcher:
         dropped = torch.zeros((), dtype=torch.int64, device=x.device)
         if self.capacity_factor > 0:
             # the factor as written: in binary 1.1 is 1.1000000000000000888, and ceil(1.1 * 100) would keep 111 rows
-            cap = math.ceil(Fraction(str(float(self.capacity_factor))) * route_map.num_rows)
+            cap = math.ceil(self._capacity_fraction * route_map.num_rows)
             if num_recv > cap:
                 num_kept = cap
                 rows = rows[:cap]
