@@ -257,10 +257,11 @@ def ids_past_the_vocabulary(where: object, top: int, bound: str, found: str) -> 
 
 
 def check_token_ids(window: np.ndarray, vocab_size: int, tokens: np.ndarray, start: int) -> None:
-    """A drawn window of `tokens` (from token `start`) holds no id >= vocab_size (the trainer passes the data's
-    meta.json vocab_size): past the model's, the embedding would index past its table (on a GPU, a device-side
-    assert that ends the process without naming the data); past the data's alone, it would train on damage. The
-    folder was checked when opened; this finds a token file changed since its meta.json was written."""
+    """A drawn window of `tokens` (from token `start`) holds no id >= vocab_size (the trainer passes the split's
+    `id_bound`: meta.json's vocab_size, or the model's for a folder without recorded largest ids): past the model's,
+    the embedding would index past its table (on a GPU, a device-side assert that ends the process without naming
+    the data); past the data's alone, it would train on damage. The folder was checked when opened; this finds a
+    token file changed since its meta.json was written."""
     if window.size and int(window.max()) >= vocab_size:
         first = int(np.argmax(window >= vocab_size))
         name = getattr(tokens, "filename", None) or "the token stream"
