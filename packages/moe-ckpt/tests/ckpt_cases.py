@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import struct
@@ -11,6 +12,20 @@ import torch
 
 from moe_ckpt import Box, FlatRange, LoadRequest, ShardSpec, even_split
 from moe_ckpt.shard_file import file_checksum
+
+
+
+def start_forked(process) -> None:  # noqa: ANN001 - a multiprocessing fork-context Process
+    """process.start(), with the parent's objects kept from the child's garbage collector (gc.freeze). A forked child
+    inherits this pytest worker's garbage, earlier tests' gloo process groups among it; collecting one there joins
+    threads the child does not have (a hang on this machine; a SIGSEGV in a forked gloo rank in CI)."""
+    gc.collect()
+    gc.freeze()
+    try:
+        process.start()
+    finally:
+        gc.unfreeze()
+
 
 # name -> (global shape, dtype); covers EP stacks, replicated, ZeRO flat, bf16, scalar, empty
 SPECS: dict[str, tuple[tuple[int, ...], torch.dtype]] = {

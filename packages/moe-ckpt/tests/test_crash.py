@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_cases import bits_equal, make_state, shards_for
+from ckpt_cases import bits_equal, make_state, shards_for, start_forked
 
 from moe_ckpt import (
     IncompleteCheckpointError,
@@ -60,7 +60,7 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint_latest_and_loadable(tmp
     big = torch.ones(MIB[mode] << 18)  # MIB[mode] MiB of fp32, inherited by the forked child
     # fork: the child starts at once (no second torch import) and dies by SIGKILL, like a lost node
     proc = multiprocessing.get_context("fork").Process(target=_saver, args=(target, big, mode))
-    proc.start()
+    start_forked(proc)
     if mode == "write":  # kill as soon as the shard file has bytes in it
         _wait_for(lambda: shard.exists() and shard.stat().st_size > 0, proc)
     else:  # kill while rank 0 waits to commit: every byte written, nothing committed

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ckpt_cases import start_forked
 
 from moe_ckpt.save import _read_errors, _record_error
 from moe_ckpt.shard_file import write_text_atomic
@@ -32,7 +33,7 @@ def test_a_record_being_rewritten_is_always_read_whole(tmp_path):
     ctx = multiprocessing.get_context("fork")
     stop = ctx.Event()
     writer = ctx.Process(target=_rewrite_record, args=(str(tmp_path), stop))
-    writer.start()
+    start_forked(writer)
     reads, cut = 0, []
     try:
         deadline = time.monotonic() + READ_S

@@ -20,11 +20,11 @@ the run folder never pick a partial step, and step 2, when not committed, is ref
 .tmp in its name is ignored by every reader (and is only what the docs allow: retention's doomed folder, leftovers
 whose removal failed); step 1 is never deleted unless step 2 committed; the retry of the same save succeeds (or,
 where step 2 committed, is refused as existing and the next step saves) and leaves the run folder as a clean save
-does. Through 2 gloo ranks (forked once): each of rank 0's 63 and rank 1's 16 operations fails in turn with
-ENOSPC; every rank raises or none does, with the same number of barriers, nothing is committed unless the commit
-happened, step 1 (or the committed step 2) loads bit-exactly, a retry commits. Also metadata.json / index.json
-edited by hand (a value of the wrong type, damaged JSON, a listed shard missing): refused naming file and field.
-moe-train's tests/test_qa105.py does the same through the Trainer's save, resume and `moe-train inspect`.
+does. Through 2 gloo ranks (started once by the forkserver): each of rank 0's 63 and rank 1's 16 operations fails
+in turn with ENOSPC; every rank raises or none does, with the same number of barriers, nothing is committed unless
+the commit happened, step 1 (or the committed step 2) loads bit-exactly, a retry commits. Also metadata.json /
+index.json edited by hand (a value of the wrong type, damaged JSON, a listed shard missing): refused naming file
+and field. moe-train's tests/test_qa105.py does the same through the Trainer's save, resume and `moe-train inspect`.
 
 Defects found (each verified to fail before its fix: HEAD's src, with the other fixes applied for 2 and 3):
 1. An error of a call on a file descriptor reached the caller naming no file: file.write / flush / os.fsync /
@@ -50,7 +50,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -64,6 +63,8 @@ from moe_ckpt import (
     save_checkpoint, step_dir, verify_checkpoint,
 )
 from moe_ckpt.run_dir import read_latest
+
+from ckpt_qa105_worker import rank_main
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -282,80 +283,8 @@ def test_hand_edited_metadata_and_index_are_refused_naming_the_file_and_field(te
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# two gloo ranks (forked once): each operation of each rank fails in turn
-
-
-def _rank_main(rank: int, world: int, port: int, root: str, out: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=20))
-    report: dict = {"cases": []}
-    try:
-        run = Path(root)
-        calls = [0]
-
-        def barrier():
-            calls[0] += 1
-            dist.barrier()
-        state1, state2 = make_state(1), make_state(2)
-        save_checkpoint(step_dir(run / "base", 1), shards_for(state1, rank, world), {"step": 1}, rank, world, barrier)
-        # count this rank's operations of a clean save of step 2
-        mp = pytest.MonkeyPatch()
-        if rank == 0:
-            shutil.copytree(run / "base", run / "count")
-        barrier()
-        faults = Faults(run / "count")
-        with faults.active(mp):
-            save_checkpoint(step_dir(run / "count", 2), shards_for(state2, rank, world), {"step": 2}, rank, world,
-                            barrier, keep_last_n=1)
-        counts = torch.zeros(world, dtype=torch.int64)
-        counts[rank] = len(faults.ops)
-        dist.all_reduce(counts)
-        for bad in range(world):
-            for i in range(1, int(counts[bad]) + 1):
-                case = run / f"r{bad}op{i}"
-                if rank == 0:
-                    shutil.copytree(run / "base", case)
-                barrier()
-                faults = Faults(case)
-                outcome = "ok"
-                with faults.active(mp, fail_at=i if rank == bad else None):
-                    try:
-                        save_checkpoint(step_dir(case, 2), shards_for(state2, rank, world), {"step": 2}, rank, world,
-                                        barrier, keep_last_n=1)
-                    except Exception as e:  # noqa: BLE001 - reported
-                        outcome = f"{type(e).__name__}: {e}"
-                barrier()
-                rec = {"bad": bad, "i": i, "outcome": outcome, "failed": faults.failed if rank == bad else None,
-                       "barriers": calls[0]}
-                report["cases"].append(rec)
-                if rank == 0:  # what is on disk, then the retry
-                    rec["committed"] = (step_dir(case, 2) / "index.json").is_file()
-                    rec["found"] = [p.name for p in list_checkpoints(case)]
-                    rec["latest"] = getattr(read_latest(case), "name", None)
-                    newest = find_latest(case)
-                    got = load_checkpoint(newest)
-                    want = state2 if newest.name == "step-00000002" else state1
-                    rec["bit_exact"] = all(bits_equal(got[k], want[k]) for k in want)
-                barrier()
-                retry = step_dir(case, 3)
-                save_checkpoint(retry, shards_for(state2, rank, world), {"step": 3}, rank, world, barrier,
-                                keep_last_n=1)
-                barrier()  # every rank is past its save's last check before rank 0 reads and removes the folder
-                if rank == 0:
-                    got = load_checkpoint(case)
-                    rec["retry_bit_exact"] = all(bits_equal(got[k], state2[k]) for k in state2)
-                    rec["after_retry"] = sorted(p.name for p in case.iterdir())
-                    shutil.rmtree(case)
-    except BaseException as e:  # noqa: BLE001 - reported to the test
-        import traceback
-
-        report["error"] = traceback.format_exc()
-        raise SystemExit(1) from e
-    finally:
-        torch.save(report, Path(out) / f"rank{rank}.pt")
-        dist.destroy_process_group()
+# two gloo ranks (started once by the forkserver, from ckpt_qa105_worker.py): each operation of each rank fails in
+# turn
 
 
 def test_two_gloo_ranks_one_failing_operation_fails_every_rank_and_commits_nothing(tmp_path):
@@ -363,8 +292,8 @@ def test_two_gloo_ranks_one_failing_operation_fails_every_rank_and_commits_nothi
 
     (tmp_path / "runs").mkdir()
     try:
-        mp.start_processes(_rank_main, args=(2, free_port(), str(tmp_path / "runs"), str(tmp_path)), nprocs=2,
-                           join=True, start_method="fork")
+        mp.start_processes(rank_main, args=(2, free_port(), str(tmp_path / "runs"), str(tmp_path)), nprocs=2,
+                           join=True, start_method="forkserver")
     finally:
         reports = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) if (tmp_path / f"rank{r}.pt").exists()
                    else {"error": "no report"} for r in range(2)]

@@ -8,10 +8,10 @@ an I/O error). Not injectable: an I/O error reading a mapped shard's bytes (get_
 Rust, not a call. The load of a run folder with two committed checkpoints (resolve + find_latest, index.json, every
 shard file's stat, checksum pass and safe_open, the pieces' reads, then metadata.json) is enumerated, then:
 (a) one process: operation i = 1..n fails with EIO, each in turn (31 operations, every kind above);
-(b) two gloo ranks (forked once, collective timeout 5 s), each loading its own rows inside fail_together, then
-    load_metadata inside a second fail_together (the two phases a resume has): every operation of rank 0 alone,
-    every one of rank 1 alone, and both ranks at once at different operations (rank 1 at rank 0's index shifted by
-    a third of the count, so that many pairs land in different phases).
+(b) two gloo ranks (started once by the forkserver, collective timeout 5 s), each loading its own rows inside
+    fail_together, then load_metadata inside a second fail_together (the two phases a resume has): every operation
+    of rank 0 alone, every one of rank 1 alone, and both ranks at once at different operations (rank 1 at rank 0's
+    index shifted by a third of the count, so that many pairs land in different phases).
 After each: the rank at fault raises an error naming the file of the failed operation; every other rank raises
 (PeerCheckpointError, or its own error); no rank waits for the collective timeout (each raises within 2 s) and the
 ranks stay in step (a collective afterwards agrees); nothing on disk changed (names, sizes, bytes) and a load never
@@ -31,38 +31,23 @@ of the first fault on any rank. moe-train's resume has one read outside it (test
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
-import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-from ckpt_cases import bits_equal, check_load, free_port, make_state, requests_for, shards_for
+from ckpt_cases import bits_equal, free_port, shards_for
+from ckpt_qa109_worker import STATE1, STATE2, TIMEOUT_S, message, rank_main, snapshot
 from fs_faults import LISTING, Faults, memory_folder
 
 from moe_ckpt import (
-    ChecksumMismatchError, CorruptMetadataError, CorruptShardError, fail_together,
-    inspect_checkpoint, load_checkpoint, load_metadata, save_checkpoint, step_dir,
+    ChecksumMismatchError, CorruptMetadataError, CorruptShardError, inspect_checkpoint, load_checkpoint, load_metadata,
+    save_checkpoint, step_dir,
 )
 
-STATE1, STATE2 = make_state(1), make_state(2)
 READ_OPS = {"os.stat", "os.lstat", LISTING, "open(r)", "open(rb)", "os.fstat", "file.read", "file.readinto",
             "safe_open"}
-
-
-def _snapshot(root: Path) -> dict[str, str]:
-    """Every path under root with its kind and, for a file, a digest of its bytes."""
-    out = {}
-    for p in sorted(root.rglob("*")):
-        out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-    return out
-
-
-def _message(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e} {' '.join(getattr(e, '__notes__', []))}"
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +80,7 @@ def test_a_load_is_enumerated_and_makes_only_reads(run, monkeypatch):
 
 
 def test_an_io_error_at_any_operation_of_a_load_names_the_file_and_changes_nothing(run, monkeypatch):
-    before = _snapshot(run)
+    before = snapshot(run)
     faults = Faults(run, reads=True)
     with faults.active(monkeypatch):
         _load(run)
@@ -105,11 +90,11 @@ def test_an_io_error_at_any_operation_of_a_load_names_the_file_and_changes_nothi
         with faults.active(monkeypatch, fail_at=i, kind="EIO"), pytest.raises(OSError) as caught:
             _load(run)
         op, failed = faults.failed
-        where = f"EIO at operation {i} of {n}, {op} {os.path.relpath(failed, run)}: {_message(caught.value)}"
+        where = f"EIO at operation {i} of {n}, {op} {os.path.relpath(failed, run)}: {message(caught.value)}"
         assert os.path.basename(failed) in str(caught.value), where
         # an I/O error is not reported as a damaged checkpoint (moe-train would tell the user to move it aside)
         assert not isinstance(caught.value, (CorruptShardError, CorruptMetadataError, ChecksumMismatchError)), where
-    assert _snapshot(run) == before
+    assert snapshot(run) == before
     got = _load(run)
     assert all(bits_equal(got[k], STATE2[k]) for k in STATE2)
 
@@ -143,83 +128,15 @@ def test_an_io_error_opening_a_shard_is_an_oserror_naming_it_and_a_damaged_heade
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# two gloo ranks (forked once)
-
-TIMEOUT_S = 5.0
-
-
-def _rank_main(rank: int, world: int, port: int, root: str, out: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=TIMEOUT_S))
-    report: dict = {"cases": []}
-    try:
-        run = Path(root) / "run"
-        for step, state in ((1, STATE1), (2, STATE2)):
-            save_checkpoint(step_dir(run, step), shards_for(state, rank, world), {"step": step}, rank, world,
-                            dist.barrier)
-        reqs = requests_for(rank, world, "dim0")
-
-        def all_reduce_sum(t):
-            dist.all_reduce(t)
-            return t
-
-        def load():  # a resume's two phases, each failing together
-            got = fail_together(lambda: load_checkpoint(run, reqs), rank, world, all_reduce_sum, f"loading {run}")
-            fail_together(lambda: load_metadata(run), rank, world, all_reduce_sum, f"reading {run}'s metadata")
-            return got
-
-        before = _snapshot(run) if rank == 0 else None
-        mp = pytest.MonkeyPatch()
-        faults = Faults(run, reads=True)
-        with faults.active(mp):
-            check_load(STATE2, load(), reqs)
-        counts = torch.zeros(world, dtype=torch.int64)
-        counts[rank] = len(faults.ops)
-        dist.all_reduce(counts)
-        n = [int(c) for c in counts]
-        cases = [("rank 0", (i, None)) for i in range(1, n[0] + 1)]
-        cases += [("rank 1", (None, i)) for i in range(1, n[1] + 1)]
-        cases += [("both", (i, (i + n[1] // 3 - 1) % n[1] + 1)) for i in range(1, n[0] + 1)]
-        for scenario, fail_at in cases:
-            faults = Faults(run, reads=True)
-            start = time.monotonic()
-            with faults.active(mp, fail_at=fail_at[rank], kind="EIO"):
-                try:
-                    load()
-                    outcome = "ok"
-                except Exception as e:  # noqa: BLE001 - reported
-                    outcome = _message(e)
-                    kind = type(e).__name__
-            seconds = time.monotonic() - start
-            t = torch.ones(1)
-            dist.all_reduce(t)  # the ranks are still in step
-            report["cases"].append({"scenario": scenario, "fail_at": fail_at, "outcome": outcome,
-                                    "kind": kind if outcome != "ok" else None, "failed": faults.failed,
-                                    "seconds": seconds, "then": t.item()})
-        dist.barrier()
-        if rank == 0:
-            report["unchanged"] = _snapshot(run) == before
-        check_load(STATE2, load(), reqs)
-    except BaseException as e:  # noqa: BLE001 - reported to the test
-        import traceback
-
-        report["error"] = traceback.format_exc()
-        raise SystemExit(1) from e
-    finally:
-        torch.save(report, Path(out) / f"rank{rank}.pt")
-        dist.destroy_process_group()
-
+# two gloo ranks (started once by the forkserver, from ckpt_qa109_worker.py)
 
 def test_two_gloo_ranks_an_io_error_on_one_or_both_ranks_fails_every_rank_at_once_naming_the_file(tmp_path):
     import torch.multiprocessing as mp
 
     with memory_folder(tmp_path, "qa109-dist-") as root:
         try:
-            mp.start_processes(_rank_main, args=(2, free_port(), str(root), str(tmp_path)), nprocs=2, join=True,
-                               start_method="fork")
+            mp.start_processes(rank_main, args=(2, free_port(), str(root), str(tmp_path)), nprocs=2, join=True,
+                               start_method="forkserver")
         finally:
             reports = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
                        if (tmp_path / f"rank{r}.pt").exists() else {"error": "no report"} for r in range(2)]

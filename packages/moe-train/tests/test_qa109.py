@@ -25,86 +25,24 @@ unchanged (that rank's own error names its cause, with the way back when its fil
 
 from __future__ import annotations
 
-import hashlib
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-import robustness_worker as rw
-from ckpt_faults import faults_module
 import test_parallel_harness as h
+from ckpt_faults import faults_module
 from moe_ckpt import CheckpointError
-
-TIMEOUT_S = 5.0  # robustness_worker.two_rank_config's parallel.collective_timeout_s
-
-
-def _snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-            for p in sorted(root.rglob("*"))}
-
-
-def _pick(ops: list[tuple[str, str]], op: str, name: str) -> int:
-    """The 1-based index of the first operation `op` on a file called `name`."""
-    return next(i for i, (o, p) in enumerate(ops, 1) if o == op and Path(p).name == name)
-
-
-CASES = ("rank 1", "both", "rank 0")
-
-
-def _rank_main(rank: int, ports: list[int], root: str, data: str) -> None:
-    from moe_train.trainer.loop import Trainer
-
-    ff = faults_module()
-    run = Path(root) / "run"
-    report: dict = {}
-    try:
-        h.worker_env(rank, 2, ports[0])
-        Trainer(rw.two_rank_config(run, data, 1)).train()  # step 1 saved; a resume to steps=1 trains nothing
-        before = _snapshot(run / "checkpoints")
-        mp = pytest.MonkeyPatch()
-        h.worker_env(rank, 2, ports[1])
-        counted = ff.Faults(run / "checkpoints", reads=True)
-        with counted.active(mp):
-            Trainer(rw.two_rank_config(run, data, 1)).train()
-        ops = counted.ops
-        shard = f"shard-{rank:05d}-of-00002.safetensors"
-        fail_at = {"rank 1": _pick(ops, "safe_open", shard) if rank == 1 else None,
-                   "both": _pick(ops, "file.read", "index.json") if rank == 0 else _pick(ops, "file.readinto", shard),
-                   "rank 0": len(ops) if rank == 0 else None}
-        assert rank == 1 or ops[-1] == ("file.read", "step-00000001/metadata.json"), ops[-1]
-        for case, port in zip(CASES, ports[2:]):
-            h.worker_env(rank, 2, port)
-            faults = ff.Faults(run / "checkpoints", reads=True)
-            start = time.monotonic()
-            with faults.active(mp, fail_at=fail_at[case], kind="EIO"):
-                try:
-                    Trainer(rw.two_rank_config(run, data, 1)).train()
-                    outcome = None
-                except Exception as e:  # noqa: BLE001 - reported
-                    outcome = e
-            report[case] = {"error": type(outcome).__name__ if outcome else None, "message": str(outcome),
-                            "damaged": isinstance(outcome, CheckpointError) and "cannot be resumed" in str(outcome),
-                            "failed": faults.failed, "seconds": time.monotonic() - start}
-        report["unchanged"] = _snapshot(run / "checkpoints") == before
-    except BaseException:  # noqa: BLE001 - reported to the test
-        import traceback
-
-        report["crash"] = traceback.format_exc()
-    torch.save(report, Path(root) / f"rank{rank}.pt")
-    h.release_process_groups()
+from train_qa109_worker import CASES, TIMEOUT_S, pick, rank_main, snapshot
 
 
 @pytest.fixture(scope="module")
 def two_ranks(_prepared_data, tmp_path_factory) -> list[dict]:
-    import torch.multiprocessing as mp
-
     root = tmp_path_factory.mktemp("qa109")
     data = shutil.copytree(_prepared_data, root / "data")
-    mp.start_processes(_rank_main, args=([h.free_port() for _ in range(2 + len(CASES))], str(root), str(data)),
-                       nprocs=2, join=True, start_method="fork")
+    ports = [h.free_port() for _ in range(2 + len(CASES))]
+    h.start_ranks(rank_main, args=(ports, str(root), str(data)), nprocs=2)
     reports = [torch.load(root / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for r, rep in enumerate(reports):
         assert "crash" not in rep, f"rank {r}:\n{rep['crash']}"
@@ -144,14 +82,14 @@ def test_one_process_a_read_error_opening_the_shard_is_no_damaged_checkpoint(tmp
     cfg.data.path = str(data_dir)
     Trainer(cfg).train()
     root = tmp_path / "run" / "checkpoints"
-    before = _snapshot(root)
+    before = snapshot(root)
     ff = faults_module()
     counted = ff.Faults(root, reads=True)
     with counted.active(monkeypatch):
         Trainer(cfg).train()
-    at = _pick(counted.ops, "safe_open", "shard-00000-of-00001.safetensors")
+    at = pick(counted.ops, "safe_open", "shard-00000-of-00001.safetensors")
     with ff.Faults(root, reads=True).active(monkeypatch, fail_at=at, kind="EIO"), pytest.raises(OSError) as caught:
         Trainer(cfg).train()
     assert "shard-00000-of-00001.safetensors" in str(caught.value), caught.value
     assert not isinstance(caught.value, CheckpointError), caught.value  # not "cannot be resumed: move it aside"
-    assert _snapshot(root) == before
+    assert snapshot(root) == before
