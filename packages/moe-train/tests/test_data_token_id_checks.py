@@ -50,6 +50,28 @@ def test_a_folder_from_before_the_record_is_scanned(data_dir):
         open_data(data_dir, 100)
 
 
+def test_a_vocabulary_larger_than_the_models_names_both_ways_out_and_which_folders_the_flag_helps(data_dir):
+    """--vocab-size only shapes a BPE prepare-data trains; a --tokenizer brings its own vocabulary (before 0.27.26
+    the advice was "prepare the data with --vocab-size N" alone, whatever made the folder)."""
+    vocab = json.loads((data_dir / "meta.json").read_text())["vocab_size"]
+    with pytest.raises(DataError, match=rf"vocab_size={vocab}, larger than model.vocab_size=100: .* set "
+                                        rf"model.vocab_size >= {vocab} \(e.g. --model.vocab_size={vocab}\), or "
+                                        r"tokenize the data with a vocabulary of at most 100 ids \(`moe-train "
+                                        r"prepare-data --vocab-size 100` trains one; a --tokenizer brings its own\)$"):
+        open_data(data_dir, 100)
+
+
+def test_open_data_without_a_model_bounds_an_unrecorded_split_by_its_meta_json(data_dir):
+    meta = json.loads((data_dir / "meta.json").read_text())
+    for split in meta["splits"].values():
+        del split["max_token_id"]
+    (data_dir / "meta.json").write_text(json.dumps(meta))
+    _, splits = open_data(data_dir, None)
+    assert splits["train"].id_bound == splits["eval"].id_bound == meta["vocab_size"]
+    _, splits = open_data(data_dir, meta["vocab_size"] + 50)  # a model's: as before 0.27.25 for such a folder
+    assert splits["train"].id_bound == meta["vocab_size"] + 50
+
+
 def poison(path, at: int, value: int) -> None:
     tokens = np.fromfile(path, dtype="<u4")
     tokens[at] = value

@@ -51,3 +51,20 @@ def test_inspect_of_a_folder_with_neither_checkpoint_nor_data_names_both(tmp_pat
     assert main(["inspect", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "no data (no meta.json)" in err and "a data folder (with meta.json)" in err
+
+
+def test_inspect_of_an_unrecorded_folder_with_an_id_past_its_vocabulary_names_meta_json_not_a_model(data_dir, capsys):
+    """inspect has no model: the bound it names is meta.json's vocab_size (before 0.27.26 it said
+    "model.vocab_size=V, past the folder's own vocabulary too")."""
+    meta = json.loads((data_dir / "meta.json").read_text())
+    for split in meta["splits"].values():
+        del split["max_token_id"]  # a folder from before moe-train 0.16.0: its splits are scanned
+    (data_dir / "meta.json").write_text(json.dumps(meta))
+    tokens = np.fromfile(data_dir / "train.u32", dtype="<u4")
+    tokens[7] = meta["vocab_size"] + 3
+    tokens.tofile(data_dir / "train.u32")
+    assert main(["inspect", str(data_dir)]) == 2
+    err = capsys.readouterr().err
+    assert (f"train.u32: token id {meta['vocab_size'] + 3} >= meta.json's vocab_size={meta['vocab_size']}, found by "
+            "a scan of the split") in err, err
+    assert "model.vocab_size" not in err and "prepare the data again" in err, err

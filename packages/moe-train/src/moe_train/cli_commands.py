@@ -228,9 +228,9 @@ def _format_model_folder(folder: Path) -> str:
 def _format_data_folder(folder: Path) -> str:
     """inspect's summary of a data folder: where its tokens came from, its tokenizer and each split, opened as a run
     opens it (the files' sizes against meta.json, the recorded largest ids against its vocab_size)."""
-    from moe_train.data.token_file import DIGEST, _is_count, _is_recorded_id, open_data, read_meta
+    from moe_train.data.token_file import DIGEST, _is_count, _is_recorded_id, open_data
 
-    meta, splits = open_data(folder, read_meta(folder / "meta.json")["vocab_size"])
+    meta, splits = open_data(folder, None)
     tokenizer = meta.get("tokenizer")
     shipped = isinstance(tokenizer, str) and (folder / tokenizer).is_file()
     lines = [f"data folder {folder} ({meta['format']}, as prepare-data writes; train --data.path reads it)",

@@ -176,10 +176,11 @@ def other_tokens(saved: Any, now: dict) -> bool:
     return saved["num_tokens"] != now["num_tokens"]
 
 
-def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, TokenSplit]]:
+def open_data(folder: str | Path, vocab_size: int | None) -> tuple[dict, dict[str, TokenSplit]]:
     """Open a data folder: its meta.json's vocab_size is at most vocab_size (the model's), each split's recorded
     largest id is below it, and each split's `id_bound` is the bound its drawn windows are checked against:
-    meta.json's vocab_size (the ids its tokenizer emitted), or the model's for a split without the record."""
+    meta.json's vocab_size (the ids its tokenizer emitted), or the model's for a split without the record.
+    vocab_size=None: the folder alone, with no model (`moe-train inspect`); meta.json's vocab_size bounds each split."""
     root = Path(folder)
     if root.exists() and not root.is_dir():
         raise DataError(f"data.path={str(root)!r} is a file: expected a data folder written by `moe-train "
@@ -190,11 +191,12 @@ def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, Toke
     if not meta_path.is_file():
         raise DataError(f"data.path={str(root)!r} has no meta.json: expected a folder written by `moe-train prepare-data`")
     meta = read_meta(meta_path)
-    if meta["vocab_size"] > vocab_size:  # before any token is read: a scan of a large corpus takes minutes
+    if vocab_size is not None and meta["vocab_size"] > vocab_size:  # before any token is read: a scan takes minutes
         raise DataError(f"{meta_path}: the data was tokenized with vocab_size={meta['vocab_size']}, larger than "
                         f"model.vocab_size={vocab_size}: the model cannot embed ids its tokenizer.json emits; "
-                        f"set model.vocab_size >= {meta['vocab_size']} (e.g. --model.vocab_size={meta['vocab_size']}) "
-                        f"or prepare the data with --vocab-size {vocab_size}")
+                        f"set model.vocab_size >= {meta['vocab_size']} (e.g. --model.vocab_size={meta['vocab_size']}), "
+                        f"or tokenize the data with a vocabulary of at most {vocab_size} ids (`moe-train prepare-data "
+                        f"--vocab-size {vocab_size}` trains one; a --tokenizer brings its own)")
     recorded = {name: meta["splits"][name].get("max_token_id") for name in ("train", "eval")}
     trusted = {name: _is_recorded_id(top, meta["splits"][name]["num_tokens"]) for name, top in recorded.items()}
     for name, top in recorded.items():
@@ -221,8 +223,11 @@ def open_data(folder: str | Path, vocab_size: int) -> tuple[dict, dict[str, Toke
         # before the record (0.16.0) is read once, and bounded by the model's vocabulary alone (its vocab_size may
         # count tokens rather than ids, see above), as before 0.27.25. Either way each batch is checked again as it
         # is drawn (check_token_ids): a file changed after meta.json was written.
-        bound = meta["vocab_size"] if trusted[name] else vocab_size
+        bound = meta["vocab_size"] if trusted[name] or vocab_size is None else vocab_size
         top = -1 if trusted[name] or not tokens.size else int(_chunked_max(tokens))
+        if top >= bound and vocab_size is None:
+            raise ids_past_the_vocabulary(tok_path, top, f"meta.json's vocab_size={bound}", "found by a scan of the "
+                                          "split (meta.json records no largest id)")
         if top >= bound:
             raise ids_past_the_vocabulary(tok_path, top, f"model.vocab_size={vocab_size}", "past the folder's own "
                                           f"vocabulary too (meta.json: vocab_size={meta['vocab_size']}; found by a "
