@@ -85,14 +85,15 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         res.update(_case(rank, "empty_experts", ids_empty, E, 0.0, None))
         res.update(_case(rank, "one_sided", ids_rank0, E, 0.0, None))
         # Capacity: every token picks experts (0, 1), both on rank 0 (4 experts, 2 per rank). Rank 0
-        # receives 2 * (7 + 5) = 24 rows, keeps ceil(1.0 * 7 * 2) = 14 in local-expert order: expert 0's
-        # 12 rows, then expert 1's first 2 rows (from source rank 0, its first 2 tokens).
+        # receives 2 * (7 + 5) = 24 rows, keeps ceil(1.1 * 24 / 2) = 14 (the group's mean T * k, 12, times 1.1)
+        # in local-expert order: expert 0's 12 rows, then expert 1's first 2 rows (from source rank 0, its first
+        # 2 tokens). Rank 1 receives none.
         ids_cap = torch.tensor([[0, 1]] * t)
         keep = torch.ones(t, K, dtype=torch.float64)
         keep[:, 1] = 0
         if rank == 0:
             keep[:2, 1] = 1
-        res.update(_case(rank, "capacity", ids_cap, 4, 1.0, keep))
+        res.update(_case(rank, "capacity", ids_cap, 4, 1.1, keep))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001
         res = {"error": traceback.format_exc()}

@@ -2,14 +2,16 @@
 against one process holding every token and every expert. Uneven token counts with a rank holding none; two MoE
 layers sharing one dispatcher under one backward, plain and inside torch.utils.checkpoint (non-reentrant with
 its default early stop, and reentrant: the recomputation re-issues the collectives and must pair on every rank);
-bf16 rows; a capacity with top_k = E where a rank with no tokens has capacity 0 and drops every row it receives
-(the module docstring's ceil(c * T * k) per rank, T that rank's own tokens). Outputs and the gradients of x, the
+bf16 rows; a capacity with top_k = E where a rank with no tokens keeps as many of the rows it receives as the others
+(the module docstring's ceil(c * R) per rank, R the EP group's mean T * k; before moe-kernels 0.10.0 R was the rank's
+own T * k, and a rank with no tokens dropped every row it received). Outputs and the gradients of x, the
 router weights and the expert weights are compared; dropped rows get zero gradient and are counted.
 capacity_factor that is no number (True, None) is refused naming it (True was taken as a capacity of 1.0)."""
 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 import sys
 from pathlib import Path
 
@@ -101,7 +103,7 @@ def _two_layers(rank: int, mode: str, dtype: torch.dtype) -> list[float]:
 
 
 def _kept(ids_of_ranks: list[torch.Tensor], tokens: tuple[int, ...], k: int, c: float) -> tuple[list, list[int]]:
-    """The docstring's rule: receiving rank r computes the first ceil(c * T_r * k) rows in (local expert, source
+    """The docstring's rule: receiving rank r computes the first ceil(c * mean(T) * k) rows in (local expert, source
     rank, token, slot) order and drops the rest. Per source rank its [T, k] keep mask; per rank its dropped count."""
     e_local = E // WORLD
     keep = [torch.ones(t, k) for t in tokens]
@@ -109,7 +111,7 @@ def _kept(ids_of_ranks: list[torch.Tensor], tokens: tuple[int, ...], k: int, c: 
     for r in range(WORLD):
         rows = sorted((int(e) % e_local, s, t, j) for s, ids in enumerate(ids_of_ranks)
                       for t in range(ids.shape[0]) for j, e in enumerate(ids[t].tolist()) if int(e) // e_local == r)
-        cap = math.ceil(c * tokens[r] * k)
+        cap = math.ceil(Fraction(str(c)) * Fraction(sum(tokens) * k, len(tokens)))  # c as written: 0.45, not 0.4500..1
         for _, s, t, j in rows[cap:]:
             keep[s][t, j] = 0.0
         dropped.append(max(len(rows) - cap, 0))
@@ -117,7 +119,7 @@ def _kept(ids_of_ranks: list[torch.Tensor], tokens: tuple[int, ...], k: int, c: 
 
 
 def _capacity(rank: int) -> dict:
-    tokens, k, c = (4, 0, 6), E, 0.5  # top_k = E: every token reaches every rank; rank 1's capacity is 0
+    tokens, k, c = (4, 0, 5), E, 0.45  # top_k = E: every token reaches every rank; capacity ceil(0.45 * 18) = 9
     xs, router, w1, w2 = _inputs(2, tokens, torch.float32)
     dispatcher = AllToAllDispatcher(dist.group.WORLD, E, capacity_factor=c)
     got, result = _grads(lambda *a: _layer(dispatcher, *a, k), xs[rank], router, _local(w1, rank), _local(w2, rank))
@@ -166,13 +168,15 @@ def test_two_layers_sharing_a_dispatcher_on_three_ranks_match_one_process_with_a
         assert max(res[case]) <= tol, f"rank {r}: out, x, router, w_gate_up, w_down errors {res[case]}"
 
 
-def test_capacity_keeps_the_documented_rows_on_three_ranks_and_a_rank_without_tokens_keeps_none(ranks):
+def test_capacity_keeps_the_documented_rows_on_three_ranks_and_a_rank_without_tokens_keeps_as_many(ranks):
     for r, res in enumerate(ranks):
         got = res["capacity"]
         assert max(got["errors"]) <= 1e-5, f"rank {r}: {got['errors']}"
         assert got["dropped"] == got["want_dropped"], f"rank {r}: {got}"
-    rank1 = ranks[1]["capacity"]  # no tokens: capacity 0, so all 10 tokens' rows for its 2 experts are dropped
-    assert rank1["kept"] == 0 and rank1["dropped"] == 10 * (E // WORLD), rank1
+    # every rank receives 9 tokens' rows for its 2 experts (18) and keeps ceil(0.45 * 54 / 3) = 9, the rank without
+    # tokens too (0 kept before moe-kernels 0.10.0)
+    for r, res in enumerate(ranks):
+        assert res["capacity"]["kept"] == 9 and res["capacity"]["dropped"] == 9 * (E // WORLD) - 9, (r, res["capacity"])
 
 
 @pytest.mark.parametrize(("name", "shown"), [("bool", "True"), ("none", "None")])

@@ -7,7 +7,7 @@ from moe_kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
 from moe_kernels.permute import combine, permute
 from moe_kernels.route_map import RouteMap, build_route_map
 
-__version__ = "0.9.14"
+__version__ = "0.10.0"
 
 __all__ = [
     "RouteMap",

@@ -20,10 +20,13 @@ any row moves, when one cannot (its own rank the detailed message, the others on
 and quoting its message, gathered on that path only). Combine has no exchange before its rows to
 carry such a header, so it gathers a few int64 per rank first (see combine).
 
-Capacity (optional): with capacity_factor c > 0 a rank computes at most ceil(c * T * k) received
-rows; rows past the cap in local-expert order (higher local experts, then higher source ranks,
-then later tokens) are dropped - their expert output is zero - and counted in `dropped`.
-Deterministic, and dropless by default (c = 0).
+Capacity (optional): with capacity_factor c > 0 a rank computes at most ceil(c * R) received rows,
+R = the EP group's mean T * k (the rows a rank receives when routing is balanced; each rank's T * k
+travels in the count exchange's header, so every rank has the same cap); rows past the cap in
+local-expert order (higher local experts, then higher source ranks, then later tokens) are dropped -
+their expert output is zero - and counted in `dropped`. Deterministic, and dropless by default (c = 0).
+Before moe-kernels 0.10.0 R was the rank's own T * k: a rank with no tokens that step dropped every
+row it received.
 """
 
 from __future__ import annotations
@@ -72,8 +75,8 @@ from moe_kernels.route_map import RouteMap, positive_int, require_route_map
 from moe_kernels.compile_marks import constant_under_compile
 
 # Header columns sent to every EP peer after the [E_local] counts (int64).
-_STATUS, _ROW_NUMEL, _DTYPE, _WIDTH, _GRAD = range(5)
-_HEADER = 5
+_STATUS, _ROW_NUMEL, _DTYPE, _WIDTH, _GRAD, _ROWS = range(6)
+_HEADER = 6
 _BAD_INPUT, _BAD_COUNTS = 1, 2  # status bits
 
 
@@ -136,6 +139,12 @@ def _as_written(capacity_factor: numbers.Real) -> Fraction:
         return Fraction(str(capacity_factor))
     except ValueError:
         return Fraction(capacity_factor)
+
+
+def capacity(factor: Fraction, rows_per_rank: list[int]) -> int:
+    """The received rows an EP rank computes: ceil(factor * the group's mean T * k), rows_per_rank[r] being EP
+    rank r's T * k. The same on every rank, whatever its own token count (zero included)."""
+    return math.ceil(factor * Fraction(sum(rows_per_rank), len(rows_per_rank)))
 
 
 def check_capacity_factor(capacity_factor: object) -> None:
@@ -230,7 +239,7 @@ class AllToAllDispatcher:
         dropped = torch.zeros((), dtype=torch.int64, device=x.device)
         if self.capacity_factor > 0:
             # the factor as written: in binary 1.1 is 1.1000000000000000888, and ceil(1.1 * 100) would keep 111 rows
-            cap = math.ceil(self._capacity_fraction * route_map.num_rows)
+            cap = capacity(self._capacity_fraction, [row[e_local + _ROWS] for row in table])
             if num_recv > cap:
                 num_kept = cap
                 rows = rows[:cap]
@@ -272,6 +281,7 @@ class AllToAllDispatcher:
         send[:, e_local + _DTYPE] = dtype_code(payload.dtype)
         send[:, e_local + _WIDTH] = x.shape[1]
         send[:, e_local + _GRAD] = _needs_grad(payload)
+        send[:, e_local + _ROWS] = route_map.num_rows  # T * k: the capacity is the group's mean of it
         return send
 
     def _refuse_together(

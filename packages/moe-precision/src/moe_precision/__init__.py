@@ -2,6 +2,6 @@
 
 from moe_precision.recipe import KNOWN_RECIPES, PLANNED_RECIPES, PrecisionRecipe
 
-__version__ = "0.5.4"
+__version__ = "0.5.5"
 
 __all__ = ["PrecisionRecipe", "KNOWN_RECIPES", "PLANNED_RECIPES"]
