@@ -329,5 +329,5 @@ def test_a_capacity_that_cannot_drop_with_ep_1_is_named_when_the_trainer_starts(
     cfg.parallel.expert_capacity_factor = factor
     named = _start_warnings(cfg, "expert_capacity_factor")
     assert named == (["parallel.expert_capacity_factor=1.25 drops nothing with parallel.ep=1: the capacity is per EP "
-                      "rank (ceil(factor x the rank's tokens x top_k) of the rows it receives), and a rank that holds "
-                      "every expert receives exactly tokens x top_k rows"] if warns else [])
+                      "rank (ceil(factor x the EP group's mean tokens x top_k) of the rows it receives), and a rank "
+                      "that holds every expert receives exactly tokens x top_k rows"] if warns else [])

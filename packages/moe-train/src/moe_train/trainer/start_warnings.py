@@ -45,8 +45,8 @@ def warn_about_settings(cfg: Config, device: torch.device, one_process: bool = F
                       "--model.router.routing=learned to train the router", stacklevel=3)
     if p.expert_capacity_factor > 0 and p.ep == 1:
         warnings.warn(f"parallel.expert_capacity_factor={p.expert_capacity_factor:g} drops nothing with "
-                      "parallel.ep=1: the capacity is per EP rank (ceil(factor x the rank's tokens x top_k) of "
-                      "the rows it receives), and a rank that holds every expert receives exactly tokens x "
+                      "parallel.ep=1: the capacity is per EP rank (ceil(factor x the EP group's mean tokens x top_k) "
+                      "of the rows it receives), and a rank that holds every expert receives exactly tokens x "
                       "top_k rows", stacklevel=3)
     unread = []
     if t.lr_schedule == "constant" and t.min_lr_ratio != _default(TrainConfig, "min_lr_ratio"):
