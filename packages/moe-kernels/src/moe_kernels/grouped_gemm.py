@@ -10,6 +10,7 @@ from typing import Literal
 import torch
 
 from moe_kernels.forward_ad import forward_ad_active
+from moe_kernels.permute import EXPERT_DTYPES
 from moe_kernels.route_map import require_tensor
 from moe_kernels.triton import at_own_dtype, dense_rows, use_triton
 
@@ -63,6 +64,9 @@ def _check_operands(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> 
     offsets = checked_offsets(offsets, x.shape[0], x.device, w.shape[0])
     if x.dtype != w.dtype or x.device != w.device:
         raise ValueError(f"x ({x.dtype}, {x.device}) and w ({w.dtype}, {w.device}) must share dtype and device")
+    if x.dtype not in EXPERT_DTYPES:  # an integer GEMM wraps (uint8 200 * 200 * 8 gave 0); fp8 needs scales
+        raise ValueError(f"x and w are {x.dtype}: the grouped GEMM computes in "
+                         f"{', '.join(str(d) for d in EXPERT_DTYPES)}; cast both to one of them")
     return offsets
 
 
@@ -82,15 +86,17 @@ def grouped_gemm_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tens
 
 def _grouped_mm_reads(w: torch.Tensor) -> bool:
     """Whether torch's grouped_mm takes w [E, K, M] as laid out: a unit stride in one of its last
-    two dims and the other a multiple of 16 bytes (else it raises "Invalid strides/sizes" or
-    "strides should be multiple of 16 bytes"; a slice such as w[..., ::2] has neither)."""
+    two dims and the other a multiple of 16 bytes, at least the unit-stride dim's extent (else it
+    raises "Invalid strides/sizes" or "strides should be multiple of 16 bytes"; a slice such as
+    w[..., ::2] has no unit stride, and an expand()ed w a stride of 0, which passed the 16-byte
+    test before 0.10.0 and reached grouped_mm's error)."""
     if w.stride(-1) == 1:
-        other = w.stride(-2)
+        other, extent = w.stride(-2), w.shape[-1]
     elif w.stride(-2) == 1:
-        other = w.stride(-1)
+        other, extent = w.stride(-1), w.shape[-2]
     else:
         return False
-    return (other * w.element_size()) % 16 == 0
+    return other >= extent and (other * w.element_size()) % 16 == 0
 
 
 def torch_grouped_mm_supported(x: torch.Tensor, w: torch.Tensor, in_cols: int | None = None) -> bool:
