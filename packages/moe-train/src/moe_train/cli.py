@@ -8,6 +8,7 @@ library call names the flag or argument the user typed, not the library's parame
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import os
 import signal
@@ -253,6 +254,9 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
 
 
 _default_show_warning = warnings.showwarning
+# errors of the file system, not of moe-train: one line naming the path, no traceback (review helper 171: export-hf,
+# import-hf and prepare-data into a read-only folder, and prepare-data or a checkpoint save on a full disk, printed one)
+_FILE_SYSTEM_REFUSALS = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         except PermissionError as e:  # a path the user gave that this user may not read or write: one line naming it
             print(f"moe-train: error: {e}", file=sys.stderr)
             return 2
+        except OSError as e:  # the file system refused: a read-only mount, a full disk or quota, a failing device
+            if e.errno not in _FILE_SYSTEM_REFUSALS:
+                raise
+            print(f"moe-train: error: {args.command} stopped: {e}", file=sys.stderr)
+            return 1
         finally:
             # A process group left in a reference cycle (an error's traceback holds the frames that hold it) is
             # freed here, while the interpreter is whole: a gloo group alive at exit can abort the process from

@@ -20,7 +20,7 @@ import numpy as np
 
 from tokenizers import Tokenizer
 
-from moe_train.data.token_file import FORMAT, DataError, SplitWriter, fsync_path, write_meta
+from moe_train.data.token_file import FORMAT, DataError, SplitWriter, fsync_path, write_array, write_meta
 from moe_train.data.tokenizer import (EOS, PIECE_CHARS, _cuts_safely, _document_pieces, _eos_id,
                                       _post_processor_ends_with, _vocab_size, load_tokenizer, train_bpe)
 # importable from here, where they were before the tokenizer's code moved to tokenizer.py (trainer.data_setup, tests)
@@ -130,7 +130,7 @@ def _encode_to_file(docs: Iterable[str], tok: Tokenizer, eos_id: int, path: Path
             encodings = tok.encode_batch_fast([text for text, _ in batch])
             ids = np.concatenate([a for e, (_, last) in zip(encodings, batch)
                                   for a in (np.asarray(e.ids, np.uint32), eos if last else none)])
-            ids.astype("<u4", copy=False).tofile(f)
+            write_array(f, ids.astype("<u4", copy=False))
             written += ids.size
     return written
 

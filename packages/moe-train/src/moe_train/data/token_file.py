@@ -61,6 +61,13 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def write_array(f: Any, array: np.ndarray) -> None:
+    """array's bytes into the binary file f. Not numpy's tofile, whose short write on a full disk raised
+    "OSError: 213107 requested and 49152 written", with no errno (the CLI could not tell it from a bug) and no
+    file; Python's file write raises ENOSPC (review helper 171)."""
+    f.write(memoryview(np.ascontiguousarray(array)).cast("B"))
+
+
 class SplitWriter:
     """Writes one split a chunk of tokens at a time: `{name}.u32`, and `{name}.docs.u64` with the end of every
     document (each ended by eos_id), whose last entry is the split's end even where a block cut a document.
@@ -77,7 +84,7 @@ class SplitWriter:
         """tokens: [n] uint32, the split's next ones."""
         tokens = np.ascontiguousarray(tokens, dtype="<u4")
         self._write_ends(np.flatnonzero(tokens == self.eos_id) + (self.num_tokens + 1))
-        tokens.tofile(self._tokens)
+        write_array(self._tokens, tokens)
         self._digest.update(tokens)  # the bytes just written: the file is never read back whole
         self.num_tokens += tokens.size
         if tokens.size:
@@ -98,7 +105,7 @@ class SplitWriter:
         return DIGEST + self._digest.hexdigest()
 
     def _write_ends(self, ends: np.ndarray) -> None:
-        ends.astype("<u8").tofile(self._ends)
+        write_array(self._ends, ends.astype("<u8"))
         self.num_docs += ends.size
         if ends.size:
             self._last_end = int(ends[-1])

@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from moe_ckpt import (
-    AsyncCheckpointer, Box, CheckpointError, CorruptMetadataError, FlatRange, LoadRequest, PeerCheckpointError,
-    ShardSpec, UnsupportedFormatVersionError, check_rng_state, fail_together, find_latest, inspect_checkpoint,
-    list_checkpoints, load_checkpoint, load_metadata, open_checkpoint, save_checkpoint, step_dir, step_of,
+    AsyncCheckpointer, Box, CheckpointError, CorruptMetadataError, DtypeMismatchError, FlatRange, LoadRequest,
+    PeerCheckpointError, ShardSpec, UnsupportedFormatVersionError, check_rng_state, fail_together, find_latest,
+    inspect_checkpoint, list_checkpoints, load_checkpoint, load_metadata, open_checkpoint, save_checkpoint, step_dir,
+    step_of,
 )
 from moe_train.config import ConfigError
 from moe_train.trainer.errors import TrainingError
@@ -258,8 +259,8 @@ def _stored_name(name: str, saved: dict[str, dict], one_step_count: bool) -> str
     """The saved tensor holding `name`: itself; for a master saved once as its fp32 weight, the weight; for a
     parameter's step count in a checkpoint with one count for all (one_step_count: moe-train <= 0.5), optim.step."""
     weight = master_of(name)
-    if name not in saved and weight is not None and saved.get(weight, {}).get("dtype") == "float32":
-        return weight
+    if name not in saved and weight is not None and weight in saved:
+        return weight  # that it is float32 is checked once read (_read): index.json's dtype is not trusted before it
     if one_step_count and _is_param_step(name):
         return "optim.step"
     return name  # a name the checkpoint lacks is reported by load_checkpoint
@@ -269,8 +270,15 @@ def _read(path: Path, shards: list[CheckpointShard], device: torch.device) -> di
     """{shard name: its slice} for a resume: optimizer state too."""
     saved = inspect_checkpoint(path)["tensors"]
     one_step_count = "optim.step" in saved and not any(map(_is_param_step, saved))
-    return read_regions(path, {s.global_name: (_stored_name(s.global_name, saved, one_step_count), s) for s in shards},
-                        device)
+    wanted = {s.global_name: (_stored_name(s.global_name, saved, one_step_count), s) for s in shards}
+    got = read_regions(path, wanted, device)  # a shard whose header disagrees with index.json is refused here
+    for name, (stored, _) in wanted.items():
+        if stored != name and stored == master_of(name) and got[name].dtype != torch.float32:
+            raise DtypeMismatchError(f"checkpoint {path}: {name} is not saved, and its weight {stored} is "
+                                     f"{got[name].dtype}: a master is saved once as its weight only when that weight "
+                                     "is float32 (a bf16-resident run saves its fp32 masters apart); the checkpoint "
+                                     "lacks the fp32 master")
+    return got
 
 
 def read_regions(path: Path, wanted: dict[str, tuple[str, CheckpointShard]],
