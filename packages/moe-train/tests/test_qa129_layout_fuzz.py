@@ -45,26 +45,30 @@ def runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("qa129")
     data = prepare_data(list(stdlib_documents(150_000)), root / "data", vocab_size=512, source="stdlib-test")
+    threads = torch.get_num_threads()  # restored below: later tests in this worker keep theirs
     torch.set_num_threads(1)
+    try:
 
-    def c(key: str, name: str, **train):  # noqa: ANN202
-        return w.layout_config(key, data, root / name, train={**EVAL, **train})
+        def c(key: str, name: str, **train):  # noqa: ANN202
+            return w.layout_config(key, data, root / name, train={**EVAL, **train})
 
-    w.run_trainer(c("1", "one"))
-    w.spawn(4, [w.Job(c("dp4ep4-bf16-async", "ep4_bf16"))], root / "spawn4")
-    bf16_ckpt = (root / "ep4_bf16", root / "ep4_bf16_resaved_dp3")
-    w.spawn(3, [
-        w.Job(c("dp3ep3-nodo", "dp3ep3_nodo")),
-        w.Job(c("dp3ep3-nodo", "one_to_dp3ep3_nodo"), seed=(root / "one", root / "one_to_dp3ep3_nodo")),
-        w.Job(c("dp3ep3-cap", "cap")),
-        w.Job(c("dp3ep3-cap", "cap_to_cap", **KEEP), seed=(root / "cap", root / "cap_to_cap")),
-        w.Job(c("dp3ep3-nodo", bf16_ckpt[1].name), seed=bf16_ckpt, resave_to=root / "resaved_dp3"),
-    ], root / "spawn3")
-    w.seed_run_dir(root / "ep4_bf16", root / "ep4_bf16_to_one")
-    w.run_trainer(c("1", "ep4_bf16_to_one"))
-    w.seed_run_dir(root / "ep4_bf16", root / "ep4_bf16_resaved_one")
-    w.run_job(w.Job(c("1", "ep4_bf16_resaved_one"), resave_to=root / "resaved_one"))
-    return root, data
+        w.run_trainer(c("1", "one"))
+        w.spawn(4, [w.Job(c("dp4ep4-bf16-async", "ep4_bf16"))], root / "spawn4")
+        bf16_ckpt = (root / "ep4_bf16", root / "ep4_bf16_resaved_dp3")
+        w.spawn(3, [
+            w.Job(c("dp3ep3-nodo", "dp3ep3_nodo")),
+            w.Job(c("dp3ep3-nodo", "one_to_dp3ep3_nodo"), seed=(root / "one", root / "one_to_dp3ep3_nodo")),
+            w.Job(c("dp3ep3-cap", "cap")),
+            w.Job(c("dp3ep3-cap", "cap_to_cap", **KEEP), seed=(root / "cap", root / "cap_to_cap")),
+            w.Job(c("dp3ep3-nodo", bf16_ckpt[1].name), seed=bf16_ckpt, resave_to=root / "resaved_dp3"),
+        ], root / "spawn3")
+        w.seed_run_dir(root / "ep4_bf16", root / "ep4_bf16_to_one")
+        w.run_trainer(c("1", "ep4_bf16_to_one"))
+        w.seed_run_dir(root / "ep4_bf16", root / "ep4_bf16_resaved_one")
+        w.run_job(w.Job(c("1", "ep4_bf16_resaved_one"), resave_to=root / "resaved_one"))
+        return root, data
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _close(got: dict[int, float], want: dict[int, float], rtol: float) -> None:
