@@ -410,4 +410,10 @@ def from_hf_config(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         m.update(num_experts=c["n_routed_experts"], dense_layers=list(range(first_dense)),
                  shared_expert_hidden=c.get("n_shared_experts", 1) * c["moe_intermediate_size"],
                  shared_expert_gate=False)
+    # named by the key the folder holds (review helper 171: a top_k past the experts was refused as moe-train's own
+    # model.router.top_k, a field the user of import-hf never set)
+    top_k, experts = router["top_k"], m["num_experts"]
+    if isinstance(experts, int) and not isinstance(experts, bool) and experts >= 1:
+        need(c, "num_experts_per_tok", isinstance(top_k, int) and not isinstance(top_k, bool) and 1 <= top_k <= experts,
+             f"an integer from 1 to the {experts} routed experts")
     return m, extra
