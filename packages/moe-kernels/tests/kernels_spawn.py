@@ -12,7 +12,6 @@ import contextlib
 import gc
 import importlib
 import os
-import socket
 import sys
 import time
 import traceback
@@ -30,13 +29,35 @@ import torch.multiprocessing as mp
 mp.set_forkserver_preload(["torch", "torch.distributed", "moe_kernels"])
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on, for a process group's store, drawn at random below the kernel's ephemeral
+    range. A port-0 pick (the kernel's, closed and bound again later by the store) could be handed in between to a
+    port-0 bind of another process, the other pytest worker's gloo listeners among them, leaving the ranks waiting
+    for a store that is not theirs (review helper 169); the kernel never hands out a port below that range."""
+    import random
+    import socket
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: the IANA range's start, where most kernels begin
+        low = 49152
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.randrange(10_000, low) if low > 11_000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))  # as the store binds it: every address
+            except OSError:  # taken: draw again
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free TCP port found in [10000, {low})")
+
+
 def spawn(test_file: str, world: int, out_dir: Path, deadline_s: float, *lead_args,
           entry: str = "_entry") -> list[tuple[dict, int | None, bool]]:
     """Run test_file's function `entry` (default `_entry`) on every rank. Per rank: (its saved result dict, or
     {} if it saved none; its exit code; whether it was still running after deadline_s and was killed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     sys.path.insert(0, str(Path(test_file).parent))
     target = getattr(importlib.import_module(Path(test_file).stem), entry)
     ctx = mp.get_context("forkserver")
@@ -109,9 +130,7 @@ def run_gloo_rank(rank: int, port: int, out_dir: str, world: int, timeout_s: flo
 @contextlib.contextmanager
 def one_gloo_rank() -> Iterator[dist.ProcessGroup]:
     """A gloo group of this process alone (in the test process itself: nothing spawned), destroyed on exit."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     assert not dist.is_initialized()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:

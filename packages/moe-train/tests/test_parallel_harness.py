@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import traceback
 from pathlib import Path
 
@@ -123,9 +122,27 @@ def start_ranks(fn, args: tuple, nprocs: int) -> None:  # noqa: ANN001
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port nothing listens on, for a process group's store, drawn at random below the kernel's ephemeral
+    range. A port-0 pick (the kernel's, closed and bound again later by the store) could be handed in between to a
+    port-0 bind of another process, the other pytest worker's gloo listeners among them, leaving the ranks waiting
+    for a store that is not theirs (review helper 169); the kernel never hands out a port below that range."""
+    import random
+    import socket
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: the IANA range's start, where most kernels begin
+        low = 49152
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.randrange(10_000, low) if low > 11_000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))  # as the store binds it: every address
+            except OSError:  # taken: draw again
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free TCP port found in [10000, {low})")
 
 
 def worker_env(rank: int, world: int, port: int) -> None:
