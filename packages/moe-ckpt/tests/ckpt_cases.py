@@ -170,3 +170,15 @@ def free_port() -> int:
                 continue
             return s.getsockname()[1]
     raise RuntimeError(f"no free TCP port found in [10000, {low})")
+
+
+# moe-train's ModelConfig as a dict, 2 layers, for the HF tests (test_hf_sliding_window's own cannot be imported:
+# moe-train's tests hold a module of that name too)
+HF_ROUTER = dict(gating="softmax", top_k=2, normalize_top_k=True, routing="learned", lb_loss_weight=0.01,
+                 lb_loss_scope="micro_batch", z_loss_weight=0.001, expert_bias=False, expert_bias_rate=0.001,
+                 routed_scaling_factor=1.0)
+HF_MODEL = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=None, qk_norm=True,
+                attention_bias=False, rope_theta=1000.0, rotary_fraction=1.0, sliding_window_pattern=[], norm_eps=1e-6,
+                dense_hidden=48, dense_layers=[], num_experts=4, expert_hidden=16, shared_expert_hidden=0,
+                shared_expert_gate=False, router=HF_ROUTER, tie_embeddings=False, init_std=0.02, gemm_backend="auto",
+                precision="bf16")

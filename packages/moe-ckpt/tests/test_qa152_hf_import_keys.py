@@ -7,16 +7,10 @@ from __future__ import annotations
 import copy
 
 import pytest
+from ckpt_cases import HF_MODEL as MODEL
+from ckpt_cases import HF_ROUTER as ROUTER
 from moe_ckpt.hf import HFConversionError, from_hf_config, to_hf_config
 
-ROUTER = dict(gating="softmax", top_k=2, normalize_top_k=True, routing="learned", lb_loss_weight=0.01,
-              lb_loss_scope="micro_batch", z_loss_weight=0.001, expert_bias=False, expert_bias_rate=0.001,
-              routed_scaling_factor=1.0)
-MODEL = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=None, qk_norm=True,
-             attention_bias=False, rope_theta=1000.0, rotary_fraction=1.0, sliding_window_pattern=[], norm_eps=1e-6,
-             dense_hidden=48, dense_layers=[], num_experts=4, expert_hidden=16, shared_expert_hidden=0,
-             shared_expert_gate=False, router=ROUTER, tie_embeddings=False, init_std=0.02, gemm_backend="auto",
-             precision="bf16")
 GLM = dict(router={**ROUTER, "gating": "sigmoid", "expert_bias": True}, shared_expert_hidden=16)
 
 
