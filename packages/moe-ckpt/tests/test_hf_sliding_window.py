@@ -15,20 +15,15 @@ import copy
 import re
 
 import pytest
+from ckpt_cases import HF_MODEL, HF_ROUTER
 
 from moe_ckpt.hf import HFConversionError, choose_model_type, from_hf_config, to_hf_config
 from moe_ckpt.hf.custom_code import from_custom_config, to_custom_config
 from moe_ckpt.hf.windows import hf_layer_windows, layer_windows, pattern_of
 
-ROUTER = dict(gating="softmax", top_k=2, normalize_top_k=True, routing="learned", lb_loss_weight=0.01,
-              lb_loss_scope="micro_batch", z_loss_weight=0.001, expert_bias=False, expert_bias_rate=0.001,
-              routed_scaling_factor=1.0)
+ROUTER = HF_ROUTER
 # moe-train's ModelConfig as a dict (Config.to_dict()["model"]), 8 layers.
-MODEL = dict(vocab_size=64, d_model=32, num_layers=8, num_heads=4, num_kv_heads=2, head_dim=None, qk_norm=True,
-             attention_bias=False, rope_theta=1000.0, rotary_fraction=1.0, sliding_window_pattern=[], norm_eps=1e-6,
-             dense_hidden=48, dense_layers=[], num_experts=4, expert_hidden=16, shared_expert_hidden=0,
-             shared_expert_gate=False, router=ROUTER, tie_embeddings=False, init_std=0.02, gemm_backend="auto",
-             precision="bf16")
+MODEL = {**HF_MODEL, "num_layers": 8}
 # model type -> the fields that choose it
 SHAPES = {
     "qwen3": dict(num_experts=0, qk_norm=True),
