@@ -262,3 +262,19 @@ def test_a_config_without_head_keys_names_them_when_the_attention_shapes_disagre
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(HFConversionError, match=r"model\.layers\.0\.self_attn\..* has shape .*" + named):
         open_hf_folder(tmp_path)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_folder_holding_nan_or_inf_is_refused_by_import_naming_the_tensor_and_writes_nothing(tmp_path, value):
+    """Review helper 171: import-hf took such a folder and wrote it out; only a later train.init_from refused it."""
+    from safetensors.torch import save_file
+
+    export_hf(make_model(**VARIANTS["qwen3_moe"]), tmp_path / "hf", dtype="fp32")
+    path = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors["model.layers.0.self_attn.q_proj.weight"][1, 2] = value
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(HFConversionError, match=r"tensor blocks.0.attn.q_proj.weight \(by moe-train's name\) holds 1 "
+                                                r"NaN / Inf values of \d+: expected finite weights"):
+        import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

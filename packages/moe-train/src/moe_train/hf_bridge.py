@@ -359,6 +359,12 @@ def import_hf(
         merged["data"]["default_vocab_size"] = DataConfig.default_vocab_size_for(merged["model"]["vocab_size"])
     cfg = config_from_dict(merged)
     state = dict(hf.tensors())
+    for name, t in state.items():  # before anything is written: train.init_from refuses such a tensor anyway
+        bad = int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
+        if bad:
+            raise HFConversionError(f"{folder}: tensor {name} (by moe-train's name) holds {bad} NaN / Inf values of "
+                                    f"{t.numel()}: expected finite weights (the folder is damaged, or its model "
+                                    "diverged)")
     if out_dir is not None:
         unique = {k: v for k, v in state.items() if not (k == "lm_head.weight" and cfg.model.tie_embeddings)}
         tokenizer = Path(folder) / TOKENIZER_FILE
