@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
+
+import kernels_spawn
 
 # One gloo process of world 1 (its own interpreter: no process group is left in the test process).
 CHECK = textwrap.dedent("""
@@ -34,9 +35,7 @@ CHECK = textwrap.dedent("""
 
 
 def test_all_to_all_dispatch_names_expert_ids_given_for_the_route_map():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = kernels_spawn.free_port()  # not a port-0 pick another process could take meanwhile
     proc = subprocess.run([sys.executable, "-c", CHECK, str(port)], capture_output=True, text=True, check=False,
                           timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -5,14 +5,18 @@ first step and a rank given as text failed on a comparison."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+parallel_spawn = importlib.import_module("parallel_spawn")
 from moe_parallel import ParallelLayout
 
 # One gloo process of world 1 (its own interpreter: no process group is left in the test process).
@@ -48,16 +52,10 @@ CHECKS = textwrap.dedent("""
 """)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def outcomes():
-    proc = subprocess.run([sys.executable, "-c", CHECKS, str(free_port())], capture_output=True, text=True, check=False,
-                          timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    proc = subprocess.run([sys.executable, "-c", CHECKS, str(parallel_spawn.free_port())], capture_output=True,
+                          text=True, check=False, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -18,13 +18,17 @@ One gloo process of world 1, in its own interpreter (no process group left in th
 
 from __future__ import annotations
 
+import importlib
 import json
-import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+parallel_spawn = importlib.import_module("parallel_spawn")
 
 CHECKS = textwrap.dedent("""
     import json, sys
@@ -63,9 +67,7 @@ CHECKS = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = parallel_spawn.free_port()  # not a port-0 pick another process could take meanwhile
     done = subprocess.run([sys.executable, "-c", CHECKS, str(port)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -9,21 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import test_parallel_harness
 import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -50,7 +44,7 @@ def test_train_torchrun_export_and_transformers_on_the_gpu(tmp_path, data_dir):
     steps = [r for r in one if "loss" in r and "event" not in r]
     assert steps and all(r["mfu"] is not None and r["mfu"] > 0 for r in steps if "mfu" in r)
 
-    port = free_port()
+    port = test_parallel_harness.free_port()
     run(["-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
          str(port), "-m", "moe_train", "train", "--train.steps=10", "--parallel.param_dtype=bf16",
          "--train.save_interval=10", f"--train.run_dir={tmp_path / 'torchrun'}", *data], tmp_path)

@@ -5,7 +5,6 @@ eval set (a checkpoint of moe-train 0.3.0, which stored train.eval_batches)."""
 from __future__ import annotations
 
 import json
-import socket
 import warnings
 
 import pytest
@@ -19,6 +18,7 @@ from moe_train.trainer.loop import Trainer
 from moe_train.trainer.metrics import MetricsLog
 from moe_train.trainer.runtime import LocalRuntime
 from metadata_edit import rewrite_metadata  # noqa: E402
+import test_parallel_harness
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +89,7 @@ def test_rewinding_a_symlinked_metrics_log_rewrites_its_target_and_keeps_the_lin
 
 @pytest.fixture
 def gloo_port(monkeypatch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = test_parallel_harness.free_port()  # not a port-0 pick another process could take meanwhile
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     yield port
