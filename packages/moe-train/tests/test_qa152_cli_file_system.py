@@ -19,9 +19,9 @@ import pytest
 from moe_train.cli import main
 
 
-def _limit_file_size() -> None:
+def _limit_file_size(limit: int = 200_000) -> None:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
 def test_prepare_data_past_a_file_size_limit_says_so_in_one_line_and_leaves_no_folder(tmp_path):
@@ -34,7 +34,8 @@ def test_prepare_data_past_a_file_size_limit_says_so_in_one_line_and_leaves_no_f
     assert run.returncode == 1, run.stderr
     assert "Traceback" not in run.stderr, run.stderr
     lines = [line for line in run.stderr.splitlines() if line.startswith("moe-train: error:")]
-    assert len(lines) == 1 and "prepare-data stopped: [Errno 27] File too large" in lines[0], run.stderr
+    assert len(lines) == 1 and "prepare-data stopped: [Errno 27] File too large: " in lines[0], run.stderr
+    assert f"'{tmp_path / 'data.tmp-'}" in lines[0], lines[0]  # the file it was writing (helper 172: none named)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]  # no data folder, no data.tmp-*
 
 
@@ -71,3 +72,20 @@ def test_an_error_of_moe_trains_own_is_still_a_traceback(tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "_run", broken)
     with pytest.raises(OSError, match="something moe-train did wrong"):
         main(["inspect", str(tmp_path)])
+
+
+def test_train_past_a_file_size_limit_names_the_file_it_was_writing(tmp_path, data_dir):
+    """metrics.jsonl's first record is past a 300-byte limit: the one line names it (review helper 172: a write on
+    an open file raised an OSError naming no file, "[Errno 27] File too large" alone)."""
+    import json
+
+    vocab = json.loads((data_dir / "meta.json").read_text())["vocab_size"]
+    run = subprocess.run([sys.executable, "-m", "moe_train", "train", f"--data.path={data_dir}",
+                          f"--train.run_dir={tmp_path / 'run'}", "--preset", "tiny", f"--model.vocab_size={vocab}",
+                          "--train.steps=2", "--train.warmup_steps=1", "--train.eval_interval=0",
+                          "--train.save_interval=0", "--train.progress=false"],
+                         capture_output=True, text=True, preexec_fn=lambda: _limit_file_size(300))
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.startswith("moe-train: error:")]
+    assert len(lines) == 1, run.stderr
+    assert f"train stopped: [Errno 27] File too large: '{tmp_path / 'run' / 'metrics.jsonl'}'" in lines[0], lines[0]

@@ -125,7 +125,8 @@ def require_torch_grouped_mm(x: torch.Tensor, w: torch.Tensor, in_cols: int | No
             f"torch grouped_mm does not support x {x.dtype} [{x.shape[0]}, {in_cols}] @ w {tuple(w.shape)} (strides "
             f"{w.stride()}) on device={x.device}: it needs bf16 on an sm90+ GPU or fp32 on the CPU, rows whose bytes "
             "(K and M times the element size) are multiples of 16, and w with a unit stride in one of its last two "
-            "dims; use backend='auto' or 'reference'"
+            "dims and the other a multiple of 16 bytes, at least that dim's size (an expand()ed w, stride 0, has "
+            "not: w.contiguous() has); use backend='auto' or 'reference'"
         )
 
 

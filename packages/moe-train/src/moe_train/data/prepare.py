@@ -20,7 +20,8 @@ import numpy as np
 
 from tokenizers import Tokenizer
 
-from moe_train.data.token_file import FORMAT, DataError, SplitWriter, fsync_path, write_array, write_meta
+from moe_train.data.token_file import (FORMAT, DataError, SplitWriter, fsync_path, naming_the_file, write_array,
+                                       write_meta)
 from moe_train.data.tokenizer import (EOS, PIECE_CHARS, _cuts_safely, _document_pieces, _eos_id,
                                       _post_processor_ends_with, _vocab_size, load_tokenizer, train_bpe)
 # importable from here, where they were before the tokenizer's code moved to tokenizer.py (trainer.data_setup, tests)
@@ -125,7 +126,7 @@ def _encode_to_file(docs: Iterable[str], tok: Tokenizer, eos_id: int, path: Path
     none = np.zeros(0, dtype=np.uint32)
     eos = none if _post_processor_ends_with(tok, eos_id) else np.array([eos_id], dtype=np.uint32)
     written = 0
-    with open(path, "wb") as f:
+    with naming_the_file(path), open(path, "wb") as f:  # the close flushes the last bytes
         for batch in _batches(_document_pieces(docs, piece_chars), ENCODE_BATCH_CHARS):
             encodings = tok.encode_batch_fast([text for text, _ in batch])
             ids = np.concatenate([a for e, (_, last) in zip(encodings, batch)

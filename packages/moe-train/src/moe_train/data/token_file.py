@@ -14,10 +14,12 @@ A data folder holds:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,11 +63,25 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+@contextlib.contextmanager
+def naming_the_file(path: str | Path) -> Iterator[None]:
+    """An OSError of a write, flush, fsync or close on an open file (which names no file: "[Errno 28] No space left
+    on device") re-raised naming `path`, its errno kept, so that the one line the CLI prints says which file system
+    refused (review helper 172)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from e
+
+
 def write_array(f: Any, array: np.ndarray) -> None:
-    """array's bytes into the binary file f. Not numpy's tofile, whose short write on a full disk raised
-    "OSError: 213107 requested and 49152 written", with no errno (the CLI could not tell it from a bug) and no
-    file; Python's file write raises ENOSPC (review helper 171)."""
-    f.write(memoryview(np.ascontiguousarray(array)).cast("B"))
+    """array's bytes into the binary file f (opened by path), an error naming it. Not numpy's tofile, whose short
+    write on a full disk raised "OSError: 213107 requested and 49152 written", with no errno (the CLI could not
+    tell it from a bug) and no file; Python's file write raises ENOSPC (review helper 171)."""
+    with naming_the_file(f.name):
+        f.write(memoryview(np.ascontiguousarray(array)).cast("B"))
 
 
 class SplitWriter:
@@ -95,8 +111,9 @@ class SplitWriter:
         if self.num_tokens and self._last_end != self.num_tokens:  # a block cut inside a document ends the split
             self._write_ends(np.array([self.num_tokens]))
         for f in (self._tokens, self._ends):
-            f.flush()
-            os.fsync(f.fileno())
+            with naming_the_file(f.name):
+                f.flush()
+                os.fsync(f.fileno())
         return self.num_tokens, self.num_docs
 
     @property

@@ -11,6 +11,8 @@ from typing import Any, BinaryIO
 
 import torch
 
+from moe_train.data.token_file import naming_the_file
+
 
 class MetricsLog:
     """Appends one JSON object per line; only rank 0 writes."""
@@ -26,7 +28,7 @@ class MetricsLog:
         dropped first, as rewind drops it: the file stays one JSON object per line."""
         if not self.enabled:
             return
-        with open(self.path, "ab+") as f:
+        with naming_the_file(self.path), open(self.path, "ab+") as f:  # a full disk names metrics.jsonl
             _drop_partial_line(f)
             f.write((standard_json(record) + "\n").encode())
             f.flush()
