@@ -32,7 +32,7 @@ from moe_ckpt.save import save_checkpoint
 from moe_ckpt.spec import LoadRequest, ShardSpec
 from moe_ckpt.summary import format_checkpoint, inspect_checkpoint, reports_damage
 
-__version__ = "0.22.2"
+__version__ = "0.22.3"
 
 __all__ = [
     "AsyncCheckpointer",

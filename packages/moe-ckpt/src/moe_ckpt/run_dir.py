@@ -81,15 +81,24 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def read_latest(root: Path) -> Path | None:
+def _pointer_text(root: Path) -> str | None:
+    """What root/latest holds, stripped, or None if there is no pointer."""
     try:
         with naming(root / LATEST):  # an I/O error reading it names the pointer
-            name = (root / LATEST).read_text().strip()
+            return (root / LATEST).read_text().strip()
     except FileNotFoundError:
         return None
-    if not name or "/" in name or name in (".", ".."):
+
+
+def _folder_in_run(root: Path, name: str | None) -> Path | None:
+    """root/name when `name` names a folder directly inside the run (a save writes nothing else), else None."""
+    if not name or "/" in name or "\\" in name or name in (".", ".."):
         return None
     return root / name
+
+
+def read_latest(root: Path) -> Path | None:
+    return _folder_in_run(root, _pointer_text(root))
 
 
 def find_latest(root: str | Path) -> Path | None:
@@ -107,11 +116,15 @@ def find_latest(root: str | Path) -> Path | None:
     taken = (f"resolving to {newest.name}, the newest one there is" if newest is not None
              else "there is no committed checkpoint to resolve to")  # what either warning below says happens
     try:
-        pointer = read_latest(root) if root.is_dir() else None
+        text = _pointer_text(root) if root.is_dir() else None
     except (UnicodeDecodeError, IsADirectoryError):  # a damaged pointer, which resolution does not need (I/O raises)
         warnings.warn(f"{root / LATEST} cannot be read as a pointer (not UTF-8 text, or a folder): ignored; {taken}",
                       stacklevel=2)
-        pointer = None
+        text = None
+    pointer = _folder_in_run(root, text)
+    if text is not None and pointer is None:  # a save writes one folder name; this was written by hand
+        warnings.warn(f"{root / LATEST} holds {text!r}, not the name of a folder inside the run (a path, empty, '.' or "
+                      f"'..'; a run resolves only to its own checkpoints): ignored; {taken}", stacklevel=2)
     if pointer is not None and pointer not in found:
         if pointer.is_symlink():  # a save never makes one (list_checkpoints)
             why = f"a symbolic link, which runs never resolve to ({taken})"
