@@ -10,7 +10,7 @@ from moe_parallel.module_state import broadcast_module_state
 from moe_parallel.optimizer import AdamWConfig, DistributedAdamW, OptimizerStepResult
 from moe_parallel.optimizer_state import OptimizerStatePiece
 
-__version__ = "0.13.8"
+__version__ = "0.13.9"
 
 __all__ = [
     "ParallelLayout",

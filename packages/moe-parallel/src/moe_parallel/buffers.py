@@ -55,7 +55,8 @@ class FlatParams:
     """Parameters of one replication group laid out in flat, bucketed buffers.
 
     named_params: (name, param) in forward order, all one dtype and device, all requires_grad=True.
-    group: the process group the gradients are reduced over (and state sharded over when shard=True).
+    group: the process group the gradients are reduced over (and state sharded over when shard=True); None is the
+    default group.
     grad_dtype: dtype of the accumulation buffer (fp32 for fp32 gradient accumulation).
 
     Construction is collective over `group`: every rank must pass the same names, shapes and dtype
@@ -70,13 +71,14 @@ class FlatParams:
     def __init__(
         self,
         named_params: Iterable[tuple[str, nn.Parameter]],
-        group: dist.ProcessGroup,
+        group: dist.ProcessGroup | None,
         shard: bool,
         grad_dtype: torch.dtype | None = None,
         bucket_numel: int = 1 << 25,
     ):
         named_params = list(named_params)  # model.named_parameters() is a generator
-        self.group = group
+        # None names the default group, as torch.distributed's own calls take it (dist.get_global_rank refused it)
+        self.group = group = dist.group.WORLD if group is None else group
         self.group_size = dist.get_world_size(group)
         self.group_rank = dist.get_rank(group)
         try:
@@ -217,20 +219,30 @@ class FlatParams:
                 slot.param.grad = self.grad_view(slot)
 
     def take_set_grads(self, slots: list[ParamSlot] | None = None) -> None:
-        """Bound mode: a .grad set since (None from model.zero_grad(), or a tensor: p.grad = p.grad * mask) taken into
-        the buffer, the view bound again: None keeps the buffer's gradient so far, a tensor replaces it. Run before a
-        micro-batch's backward and by finish() for the buckets it launches (a parameter the last backward did not
-        reach, whose bind hook never ran)."""
-        if not self.grads_bound:
-            return
+        """A .grad set since, taken into the buffer. Run before a micro-batch's backward and by finish() for the
+        buckets it launches (a parameter the last backward did not reach, whose hooks never ran).
+        Bound mode (grad_dtype the weights'): None (model.zero_grad()) keeps the buffer's gradient so far, a tensor
+        (p.grad = p.grad * mask, or one assigned by hand) replaces it; the view is bound again.
+        Another grad_dtype: a backward leaves .grad None (its hook adds the gradient into the buffer), so a tensor
+        found there was set by hand: it is added into the buffer as a backward's gradient is, and .grad set to None.
+        A tensor taken counts as a gradient received (the optimizer updates the parameter), as torch.optim.AdamW
+        updates any parameter with a .grad (before moe-parallel 0.13.9 it was left out: bound, the norm counted it
+        and the update skipped the parameter; unbound, it never reached the buffer)."""
         base, size = self.grad_buffer.data_ptr(), self.grad_buffer.element_size()
         for slot in self.slots if slots is None else slots:
             p = slot.param
-            if slot.numel and (p.grad is None or p.grad.data_ptr() != base + slot.start * size):
+            if not self.grads_bound:
+                if p.grad is not None:
+                    with torch.no_grad():
+                        self.grad_view(slot).add_(p.grad)
+                    p.grad = None
+                    slot.has_grad = True
+            elif slot.numel and (p.grad is None or p.grad.data_ptr() != base + slot.start * size):
                 view = self.grad_view(slot)
                 if p.grad is not None:
                     with torch.no_grad():
                         view.copy_(p.grad)
+                    slot.has_grad = True
                 p.grad = view
 
     def require_in_buffer(self) -> None:

@@ -104,14 +104,7 @@ class GradientSync:
                 "last micro-batch's reductions may already be launched; expected final=False for every micro-batch "
                 "but the last, final=True once, then finish() (or zero_grads() to abandon the step)"
             )
-        stepped = [i for i, flat in enumerate(self.flats) if flat.stepped]
-        if stepped:  # the buffers still hold the last step's gradients and "received" flags (model.zero_grad() alone
-            # clears neither): a parameter unused in this step would be updated with its old gradient
-            raise RuntimeError(
-                f"GradientSync.begin_backward(final={final!r}): the gradients of flats{stepped} were used by the last "
-                "optimizer step and not cleared; expected sync.zero_grads() after opt.step() (model.zero_grad() does "
-                "not clear the flat buffers)"
-            )
+        self._refuse_stepped(f"begin_backward(final={final!r})")
         reduced = [i for i, flat in enumerate(self.flats) if flat.reduced]
         if reduced:
             raise RuntimeError(
@@ -125,6 +118,17 @@ class GradientSync:
         self.final = final
         if final:
             self._arm()
+
+    def _refuse_stepped(self, call: str) -> None:
+        stepped = [i for i, flat in enumerate(self.flats) if flat.stepped]
+        if stepped:  # the buffers still hold the last step's gradients and "received" flags (model.zero_grad() alone
+            # clears neither): a parameter unused in this step would be updated with its old gradient, and every
+            # other one with the sum of both steps' gradients
+            raise RuntimeError(
+                f"GradientSync.{call}: the gradients of flats{stepped} were used by the last optimizer step and not "
+                "cleared; expected sync.zero_grads() after opt.step() (model.zero_grad() does not clear the flat "
+                "buffers)"
+            )
 
     def _arm(self) -> None:
         for flat in self.flats:
@@ -167,6 +171,9 @@ class GradientSync:
         micro-batches accumulated, or zeros. Once per optimizer step: a second finish() before the
         step (or zero_grads()) is refused, since it would reduce the reduced gradients again.
         """
+        # finish() without begin_backward() (one micro-batch, no overlap) meets the same guard: without it the
+        # buffers summed every step's gradients since the last zero_grads() (review helper 173)
+        self._refuse_stepped("finish()")
         again = [i for i, flat in enumerate(self.flats) if flat.reduced]
         if again:  # the same on every rank: each calls finish() and step() the same number of times
             raise RuntimeError(

@@ -275,6 +275,10 @@ class DistributedAdamW:
                     step_tensors[n] = torch.full((), float(n), dtype=torch.float32, device=device)
             for bucket, st in zip(flat.buckets, states):
                 g = bucket.grad_shard.to(st.master.dtype)  # no copy when the dtypes match
+                scale = grad_scale
+                if scale is not None and st.master.dtype == torch.float64:  # the kernel takes an fp32 grad_scale only:
+                    g, scale = g * coef, None  # fp64 clips in fp64, as torch's clip_grad_norm_ (an fp32 1/coef was
+                    # off by 5e-10 from torch's fp64 AdamW, review helper 173)
                 for pieces, decay in ((st.decay, cfg.weight_decay), (st.no_decay, 0.0)):
                     ranges = _received_ranges(pieces, got, steps)
                     if ranges:
@@ -282,7 +286,7 @@ class DistributedAdamW:
                         torch._fused_adamw_(
                             *views, [], [step_tensors[n] for _, _, n in ranges], lr=lr, beta1=beta1, beta2=beta2,
                             weight_decay=decay, eps=cfg.eps, amsgrad=False, maximize=False,
-                            grad_scale=grad_scale,  # the kernel divides each gradient by it as it reads it
+                            grad_scale=scale,  # the kernel divides each gradient by it as it reads it
                         )
             self._refresh(flat, states)
         return OptimizerStepResult(norm_value, False)
@@ -315,8 +319,7 @@ def _refuse_groups_outside(flats: list[FlatParams], world: dist.ProcessGroup) ->
     on some ranks only (which then leave the others waiting in the weight all-gather)."""
     world_ranks = dist.get_process_group_ranks(world)
     for i, flat in enumerate(flats):
-        group = flat.group if flat.group is not None else dist.group.WORLD  # None: the default group
-        outside = sorted(set(dist.get_process_group_ranks(group)) - set(world_ranks))
+        outside = sorted(set(dist.get_process_group_ranks(flat.group)) - set(world_ranks))
         if outside:
             raise ValueError(f"DistributedAdamW: flats[{i}] is reduced over ranks {outside} outside world= "
                              f"(ranks {world_ranks}); expected world= to span every rank (groups.world)")
