@@ -84,9 +84,12 @@ def test_a_block_with_an_expanded_weight_gives_the_reference(backend, expanded):
     ref = [t.detach().contiguous().double().requires_grad_() for t in (x, router, w1, w2)]
     want = moe_ffn(ref[0], rm, ref[1], ref[2], ref[3], backend="reference")
     want_grads = torch.autograd.grad(want, ref, gy.double())
-    torch.testing.assert_close(got.double(), want, rtol=3e-2, atol=3e-2)
-    for name, a, b in zip(("x", "router weights", "w_gate_up", "w_down"), grads, want_grads):
-        torch.testing.assert_close(a.double(), b, rtol=3e-2, atol=3e-2, msg=lambda m, n=name: f"{n}: {m}")
+    # norm-wise relative error against float64 truth, bf16's bound of test_qa98 (4u, u = 2^-8): an elementwise
+    # bound fails on a router-weight gradient, a 64-term dot product of bf16-rounded expert outputs, on any backend
+    errors = {name: ((a.double() - b).norm() / b.norm()).item()
+              for name, a, b in zip(("out", "x", "router weights", "w_gate_up", "w_down"), (got, *grads),
+                                    (want, *want_grads))}
+    assert all(e <= 4 * 2**-8 for e in errors.values()), errors
 
 
 def test_torch_refuses_an_expanded_weight_by_name_before_any_gemm(monkeypatch):
