@@ -64,3 +64,14 @@ def test_cli_eos_token_needs_a_tokenizer(tmp_path, capsys):
     assert main(["prepare-data", str(tmp_path / "many.txt"), "--out", str(tmp_path / "d"), "--tokenizer", path,
                  "--eos-token", "<pad>"]) == 0
     assert json.loads((tmp_path / "d" / "meta.json").read_text())["eos_id"] == tok.token_to_id("<pad>")
+
+
+def test_an_ordinary_vocabulary_token_as_eos_token_is_refused(tmp_path):
+    """QA 153 (review helper 174): --eos-token naming a token the text produces made each occurrence a document's end
+    (10 files of 'a b a b a a b' gave 40 documents), silently."""
+    path, tok = _tokenizer(tmp_path, ["<pad>"])
+    assert tok.token_to_id("the") is not None  # an ordinary, learned token
+    with pytest.raises(DataError, match=r"--eos-token 'the': an ordinary token of the tokenizer's vocabulary \(id "
+                                        r"\d+\), which the text itself tokenizes to.*special tokens: <pad>"):
+        prepare_data(DOCS, tmp_path / "d", tokenizer_path=path, eos_token="the")
+    assert not (tmp_path / "d").exists()

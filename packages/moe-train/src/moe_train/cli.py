@@ -23,6 +23,7 @@ from moe_train.cli_commands import (PREPARE_MAX_BYTES, PREPARE_VOCAB_SIZE, _cmd_
 from moe_train.config import ConfigError, DataConfig
 from moe_train.config_io import build_config, parse_overrides
 from moe_train.presets import PRESETS
+from moe_train.trainer.ctrl_c import CtrlCWatch, stop_description
 from moe_train.trainer.errors import TrainingError
 
 
@@ -268,26 +269,37 @@ def main(argv: list[str] | None = None) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning
         try:
-            return _run(args, rest)
-        except BrokenPipeError:  # `moe-train inspect RUN | head`: the reader has what it wanted
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing to flush into it at exit
-            return 0
-        except PermissionError as e:  # a path the user gave that this user may not read or write: one line naming it
-            print(f"moe-train: error: {e}", file=sys.stderr)
-            return 2
-        except OSError as e:  # the file system refused: a read-only mount, a full disk or quota, a failing device
-            if e.errno not in _FILE_SYSTEM_REFUSALS:
-                raise
-            print(f"moe-train: error: {args.command} stopped: {e}", file=sys.stderr)
-            return 1
-        finally:
-            # A process group left in a reference cycle (an error's traceback holds the frames that hold it) is
-            # freed here, while the interpreter is whole: a gloo group alive at exit can abort the process from
-            # one of its worker threads (pytorch#190489), after the command has already given its answer. Only
-            # train and bench make process groups; a full collection costs the other commands up to a second in
-            # a long-lived process with a large heap.
-            if args.command in ("train", "bench"):
-                gc.collect()
+            return _run_and_collect(args, rest)
+        except KeyboardInterrupt as e:  # a second Ctrl-C or SIGTERM while the first one's stop was being reported or
+            # the process groups collected (review helper 174: two Ctrl-C 0.1 s apart printed a traceback)
+            print(f"moe-train: stopped by {stop_description(e)}, again while stopping", file=sys.stderr)
+            return 128 + getattr(e, "signum", signal.SIGINT)
+
+
+def _run_and_collect(args, rest) -> int:
+    """_run, with the file system's refusals as one line, and the collection of process groups after train and
+    bench."""
+    try:
+        return _run(args, rest)
+    except BrokenPipeError:  # `moe-train inspect RUN | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing to flush into it at exit
+        return 0
+    except PermissionError as e:  # a path the user gave that this user may not read or write: one line naming it
+        print(f"moe-train: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the file system refused: a read-only mount, a full disk or quota, a failing device
+        if e.errno not in _FILE_SYSTEM_REFUSALS:
+            raise
+        print(f"moe-train: error: {args.command} stopped: {e}", file=sys.stderr)
+        return 1
+    finally:
+        # A process group left in a reference cycle (an error's traceback holds the frames that hold it) is
+        # freed here, while the interpreter is whole: a gloo group alive at exit can abort the process from
+        # one of its worker threads (pytorch#190489), after the command has already given its answer. Only
+        # train and bench make process groups; a full collection costs the other commands up to a second in
+        # a long-lived process with a large heap.
+        if args.command in ("train", "bench"):
+            gc.collect()
 
 
 def _refuse_unknown(command: str, rest: list[str]) -> None:
@@ -334,14 +346,16 @@ def _run(args, rest) -> int:
             from moe_ckpt.hf import FolderWriteError
 
             try:
-                _cmd_hf(args)
+                with CtrlCWatch():  # SIGTERM as Ctrl-C: the half-written folder is removed (it died on the spot)
+                    _cmd_hf(args)
             except FolderWriteError as e:  # a full disk, a file-size limit: one line naming the folder
                 print(f"moe-train: error: {e}", file=sys.stderr)
                 return 1
             return 0
         if args.command == "prepare-data":
             _refuse_unknown(args.command, rest)
-            _cmd_prepare(args)
+            with CtrlCWatch():  # SIGTERM as Ctrl-C: prepare-data's .tmp folder was left behind, with no line said
+                _cmd_prepare(args)
             return 0
         overrides = parse_overrides(expand_aliases(rest))
         if args.command == "bench":
@@ -360,8 +374,6 @@ def _run(args, rest) -> int:
         print(f"moe-train: training stopped: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (torchrun, a scheduler): one line per rank, no traceback
-        from moe_train.trainer.ctrl_c import stop_description
-
         signum = getattr(e, "signum", signal.SIGINT)  # a Ctrl-C outside the training loop is a plain one
         where = getattr(e, "stopped_at", None)  # set by the trainer once the run has started
         # the progress bar is closed when the frames holding it go: before our line, not over it at exit

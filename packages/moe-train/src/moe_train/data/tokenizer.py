@@ -192,6 +192,12 @@ def _eos_id(tok: Tokenizer, tokenizer_path: str | None, eos_token: str | None) -
         if eos_id is None:
             raise DataError(f"--eos-token {eos_token!r}: not in the tokenizer's vocabulary; expected one of its tokens "
                             f"(its special tokens: {_special_tokens(tok)})")
+        if eos_token not in {t.content for t in tok.get_added_tokens_decoder().values()}:
+            # an ordinary vocabulary token: the text's own words produce it, and each would end a document there
+            # (review helper 174: --eos-token b made every 'b' of the text a document's end)
+            raise DataError(f"--eos-token {eos_token!r}: an ordinary token of the tokenizer's vocabulary (id "
+                            f"{eos_id}), which the text itself tokenizes to, so every occurrence would end a document; "
+                            f"expected one of its added tokens (its special tokens: {_special_tokens(tok)})")
         return eos_id
     for name in EOS_NAMES:
         eos_id = tok.token_to_id(name)

@@ -20,6 +20,7 @@ from moe_train.model.router import refuse_a_router_the_loss_cannot_train
 from moe_ckpt import AsyncCheckpointer, capture_rng_state, fail_together, restore_rng_state, step_of
 from moe_train.trainer import checkpoint as ckpt
 from moe_train.trainer import resume_checks
+from moe_train.trainer.aborted_backward import release_aborted_backward
 from moe_train.trainer.ctrl_c import CtrlCWatch, stop_description
 from moe_train.trainer.data_setup import check_embedded_corpus_settings, resolve_data_dir
 from moe_train.trainer.metrics import MetricsLog, max_over_ranks, peak_memory_gib, router_health
@@ -407,6 +408,7 @@ class Trainer:
                 summary = self._run(resumed)
             self.ctrl_c.check()  # one dropped while the last save was settling
         except BaseException as e:
+            release_aborted_backward()  # a backward cut short by e: its queued nodes freed now, not in a crash at exit
             # a collective failed because another rank failed: that rank and its error, in the log and the error
             stop = explain(e, self.peer_failures)
             try:

@@ -38,11 +38,15 @@ class RunFolderLock:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a+")  # noqa: SIM115 - held open for the job's life: the lock lives with it
-        except (FileNotFoundError, FileExistsError, NotADirectoryError):
-            raise  # the CLI reports these in one line, naming the path
-        except OSError as e:  # another user's folder, a read-only mount: a traceback otherwise
+        except OSError as e:  # another user's folder, a read-only mount, a file in the path: one line naming the field
+            # (a file in the path, a link to nothing and a path the system cannot hold, such as /proc/x, named only
+            # the path before 0.27.27, and a link to nothing said "File exists"; review helper 174)
+            why = {NotADirectoryError: "; a part of the path is a file, not a folder",
+                   FileExistsError: "; a file, or a link to nothing, is in the way",
+                   FileNotFoundError: "; a folder of the path cannot be made there"}.get(type(e), "")
             raise ConfigError(f"train.run_dir={str(run_dir)!r}: cannot create or write it ({e.strerror or e}: "
-                              f"{e.filename}); expected a folder this job can write, or a path to create one") from None
+                              f"{e.filename}{why}); expected a folder this job can write, or a path to create "
+                              "one") from None
         try:
             fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
