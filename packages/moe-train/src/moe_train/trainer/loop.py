@@ -97,6 +97,7 @@ class Trainer:
             # the eval losses of the whole run, across restarts (saved in each checkpoint's metadata)
             self.first_eval_loss: float | None = None
             self.last_eval_loss: float | None = None
+            self.last_loss: float | None = None  # the last step's training loss, across restarts too
             self.autocast = self.device.type == "cuda" and t.autocast_bf16
             if t.document_masking or cfg.model.sliding_window_pattern:  # a masked-attention kernel that cannot run
                 # here is refused now, not at the first forward
@@ -290,7 +291,7 @@ class Trainer:
         return {
             "step": self.step, "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
             "initial_seed": self.initial_seed,
-            "first_eval_loss": self.first_eval_loss, "last_eval_loss": self.last_eval_loss,
+            "first_eval_loss": self.first_eval_loss, "last_eval_loss": self.last_eval_loss, "last_loss": self.last_loss,
             "sampler": self.sampler.state_dict(), "train_data": split_identity(self.meta, "train"),
             "config": self.cfg.to_dict(), "rng": capture_rng_state(),
             "layout": {"world_size": self.runtime.world_size, "dp": p.dp, "ep": p.ep, "pp": p.pp,
@@ -338,6 +339,7 @@ class Trainer:
         restore_rng_state(meta["rng"])
         # checkpoints before moe-train 0.15.5 do not record them: None
         self.first_eval_loss, self.last_eval_loss = meta.get("first_eval_loss"), meta.get("last_eval_loss")
+        self.last_loss = meta.get("last_loss")  # before moe-train 0.27.27: not recorded, None
         if self.cfg.train.eval_interval > 0:
             change = resume_checks.eval_set_change(meta.get("config", {}), self.cfg, self.eval_split_windows, self.step)
             if change:  # losses over another eval set: none of them compares with this run's evals
@@ -466,6 +468,7 @@ class Trainer:
         while self.step < t.steps:
             self.ctrl_c.check()
             record = self._train_step()
+            self.last_loss = record.get("loss")
             self.step += 1
             window_tokens += tokens_per_step
             bar.update(1)
@@ -496,4 +499,4 @@ class Trainer:
                 paused += time.perf_counter() - started
         bar.close()
         return {"step": self.step, "first_eval_loss": self.first_eval_loss, "last_eval_loss": self.last_eval_loss,
-                "last_loss": record.get("loss"), "skipped_steps": self.skipped_steps}
+                "last_loss": self.last_loss, "skipped_steps": self.skipped_steps}
