@@ -120,8 +120,27 @@ def group_none_is_the_default_group() -> dict:
     return {"diff": _diff(got, want)}
 
 
+def an_explicit_all_to_all_is_installed_at_ep_1() -> dict:
+    """Review helper 176: transport=AllToAllDispatcher, named explicitly, was not installed at ep = 1 (the README says
+    a transport passed explicitly is), since only another class counted as named."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    from moe_kernels import AllToAllDispatcher
+    from moe_parallel import ParallelLayout, apply_expert_parallel, build_groups
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    layers = importlib.import_module("test_expert_parallel_gloo")
+    groups = build_groups(ParallelLayout(dp=WORLD, ep=1), layers.E)
+    default, named = layers.MoELayer(), layers.MoELayer()
+    apply_expert_parallel(default, groups)
+    apply_expert_parallel(named, groups, transport=AllToAllDispatcher)
+    return {"default": type(default.dispatcher).__name__, "named": type(named.dispatcher).__name__}
+
+
 CHECKS = (a_grad_set_by_hand_is_applied, finish_without_begin_backward_refuses_an_uncleared_step,
-          fp64_weights_clip_as_torch_does, group_none_is_the_default_group)
+          fp64_weights_clip_as_torch_does, group_none_is_the_default_group, an_explicit_all_to_all_is_installed_at_ep_1)
 
 
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:

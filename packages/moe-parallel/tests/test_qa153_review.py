@@ -63,3 +63,9 @@ def test_fp64_weights_with_binding_clipping_match_torchs_fp64_adamw(results):
 def test_flat_params_over_group_none_is_the_default_group(results):
     for res in results:
         assert _got(res, "group_none_is_the_default_group")["diff"] == 0.0
+
+
+def test_transport_all_to_all_named_explicitly_is_installed_at_ep_1(results):
+    for res in results:
+        assert _got(res, "an_explicit_all_to_all_is_installed_at_ep_1") == {"default": "LocalDispatcher",
+                                                                             "named": "AllToAllDispatcher"}

@@ -71,7 +71,61 @@ def test_an_ordinary_vocabulary_token_as_eos_token_is_refused(tmp_path):
     (10 files of 'a b a b a a b' gave 40 documents), silently."""
     path, tok = _tokenizer(tmp_path, ["<pad>"])
     assert tok.token_to_id("the") is not None  # an ordinary, learned token
-    with pytest.raises(DataError, match=r"--eos-token 'the': an ordinary token of the tokenizer's vocabulary \(id "
-                                        r"\d+\), which the text itself tokenizes to.*special tokens: <pad>"):
+    with pytest.raises(DataError, match=r"--eos-token 'the': an ordinary token of its vocabulary \(id \d+\), which "
+                                        r"the text itself tokenizes to, so each of them would end a document.*special "
+                                        r"tokens: <pad>"):
         prepare_data(DOCS, tmp_path / "d", tokenizer_path=path, eos_token="the")
     assert not (tmp_path / "d").exists()
+
+
+def _with(tmp_path, tok, name):
+    path = tmp_path / f"{name}.json"
+    tok.save(str(path))
+    return str(path)
+
+
+def test_an_added_token_that_is_not_special_is_refused_as_eos(tmp_path):
+    """Review helper 175: an added, non-special '<eos>' is matched in the text (encode_special_tokens protects
+    special ones only): 3 files holding the literal '<eos>' 30 times each gave 94 documents."""
+    from tokenizers import AddedToken
+
+    _, tok = _tokenizer(tmp_path, ["<pad>"])
+    tok.add_tokens([AddedToken("<eos>", special=False)])
+    path = _with(tmp_path, tok, "nonspecial")
+    with pytest.raises(DataError, match=r"--eos-token '<eos>': an added token that is not special \(id \d+\)"):
+        prepare_data(DOCS, tmp_path / "d", tokenizer_path=path, eos_token="<eos>")
+
+
+def test_a_default_end_token_that_is_an_ordinary_word_is_refused(tmp_path):
+    """Review helper 175: the default lookup took an ordinary vocabulary entry '</s>' without the check --eos-token
+    got."""
+    from tokenizers import models as tok_models
+
+    words = {w: i for i, w in enumerate(["[UNK]", "the", "fox", "</s>"])}
+    tok = Tokenizer(tok_models.WordLevel(words, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = _with(tmp_path, tok, "wordlevel")
+    with pytest.raises(DataError, match=r"--tokenizer .*: its end-of-document token '</s>' \(the first of .*\): an "
+                                        r"ordinary token of its vocabulary"):
+        prepare_data(DOCS, tmp_path / "d", tokenizer_path=path)
+
+
+def test_the_unknown_token_and_a_beginning_of_text_token_are_refused_as_eos(tmp_path):
+    """Review helper 175: --eos-token '<unk>' made every unknown character a document's end (1,624 documents from 3
+    files), and a template's BOS '<s>' split each document once more."""
+    from tokenizers import processors
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"])
+    tok.train_from_iterator(DOCS, trainer=trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    path = _with(tmp_path, tok, "llama_like")
+    with pytest.raises(DataError, match=r"--eos-token '<unk>': the tokenizer's unknown token"):
+        prepare_data(DOCS, tmp_path / "d", tokenizer_path=path, eos_token="<unk>")
+    with pytest.raises(DataError, match=r"--eos-token '<s>': a token \(id \d+\) the tokenizer's template puts before "
+                                        r"each text"):
+        prepare_data(DOCS, tmp_path / "d", tokenizer_path=path, eos_token="<s>")
+    out = prepare_data(DOCS, tmp_path / "d", tokenizer_path=path, eval_fraction=0.1)  # '</s>' by default: fine
+    assert _ends_with(out, tok.token_to_id("</s>")) >= 1

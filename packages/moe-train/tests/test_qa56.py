@@ -151,8 +151,10 @@ def changed(how: str, tok: Tokenizer) -> Tokenizer:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     elif how == "strip":
         tok.normalizer = normalizers.Strip()
-    elif how == "begin token":
-        tok.post_processor = processors.TemplateProcessing(single=f"{EOS} $A", special_tokens=[(EOS, 0)])
+    elif how == "begin token":  # its own: the end token put before each text is refused as the end (0.27.27)
+        tok.add_special_tokens(["<bos>"])
+        tok.post_processor = processors.TemplateProcessing(single="<bos> $A",
+                                                           special_tokens=[("<bos>", tok.token_to_id("<bos>"))])
     elif how == "added token":
         tok.add_tokens(["a b"])  # spans a cut before the space
     return tok

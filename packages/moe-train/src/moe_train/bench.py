@@ -13,6 +13,8 @@ import torch
 
 from moe_train.config import Config, ConfigError
 from moe_train.model import Transformer, count_params, flops_per_token
+from moe_train.trainer.aborted_backward import release_aborted_backward
+from moe_train.trainer.ctrl_c import CtrlCWatch
 from moe_train.trainer.launch import make_runtime, pick_device
 from moe_train.trainer.metrics import max_over_ranks
 from moe_train.trainer.mfu import run_peak_tflops
@@ -90,23 +92,27 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
                        else next(runtime.model.parameters()).dtype)
     seq, mb = cfg.data.seq_len, t.micro_batch_size
     try:  # the process group is closed however the run ends (a kernel refused here too)
-        masking_path = runtime.model.document_masking_path(device, attention_dtype)  # "flex" / "sdpa" / None
-        for i in range(warmup):
-            one_step(i)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats(device)
-        start = time.perf_counter()
-        loss = 0.0
-        for i in range(steps):
-            loss = one_step(warmup + i)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
-        peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-        # the slowest rank's time and the largest peak memory over the job
-        slowest, peak_mem_max = max_over_ranks([elapsed, peak_mem or 0.0], runtime.rank, runtime.world_size,
-                                               runtime.all_reduce_sum, runtime.device)
+        with CtrlCWatch():  # SIGTERM as Ctrl-C (a scheduler stopping the job): one line, not a silent death
+            masking_path = runtime.model.document_masking_path(device, attention_dtype)  # "flex" / "sdpa" / None
+            for i in range(warmup):
+                one_step(i)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats(device)
+            start = time.perf_counter()
+            loss = 0.0
+            for i in range(steps):
+                loss = one_step(warmup + i)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+            # the slowest rank's time and the largest peak memory over the job
+            slowest, peak_mem_max = max_over_ranks([elapsed, peak_mem or 0.0], runtime.rank, runtime.world_size,
+                                                   runtime.all_reduce_sum, runtime.device)
+    except BaseException:
+        release_aborted_backward()  # a backward cut short: its queued nodes freed now, not in a crash at exit
+        raise
     finally:
         runtime.close()
     peak_mem_max = peak_mem_max if peak_mem is not None else None

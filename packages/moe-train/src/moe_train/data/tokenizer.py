@@ -186,25 +186,43 @@ def load_tokenizer(path: str) -> Tokenizer:
 
 def _eos_id(tok: Tokenizer, tokenizer_path: str | None, eos_token: str | None) -> int:
     """The id that ends each document: eos_token's, else the first of EOS_NAMES the tokenizer has. A tokenizer
-    with none of them is refused: any other id would be a real token of the text, read as a document's end."""
+    with none of them is refused: any other id would be a real token of the text, read as a document's end. So is
+    a token the tokenizer itself produces from text (_refuse_a_token_the_text_produces)."""
     if eos_token is not None:
         eos_id = tok.token_to_id(eos_token)
         if eos_id is None:
             raise DataError(f"--eos-token {eos_token!r}: not in the tokenizer's vocabulary; expected one of its tokens "
                             f"(its special tokens: {_special_tokens(tok)})")
-        if eos_token not in {t.content for t in tok.get_added_tokens_decoder().values()}:
-            # an ordinary vocabulary token: the text's own words produce it, and each would end a document there
-            # (review helper 174: --eos-token b made every 'b' of the text a document's end)
-            raise DataError(f"--eos-token {eos_token!r}: an ordinary token of the tokenizer's vocabulary (id "
-                            f"{eos_id}), which the text itself tokenizes to, so every occurrence would end a document; "
-                            f"expected one of its added tokens (its special tokens: {_special_tokens(tok)})")
+        _refuse_a_token_the_text_produces(tok, eos_token, eos_id, f"--eos-token {eos_token!r}")
         return eos_id
     for name in EOS_NAMES:
         eos_id = tok.token_to_id(name)
         if eos_id is not None:
+            _refuse_a_token_the_text_produces(tok, name, eos_id, f"--tokenizer {tokenizer_path!r}: its end-of-document "
+                                              f"token {name!r} (the first of {', '.join(EOS_NAMES)} it has)")
             return eos_id
     raise DataError(f"--tokenizer {tokenizer_path!r}: has no end-of-document token (looked for {', '.join(EOS_NAMES)}); "
                     f"name the one to use with --eos-token (its special tokens: {_special_tokens(tok)})")
+
+
+def _refuse_a_token_the_text_produces(tok: Tokenizer, name: str, eos_id: int, what: str) -> None:
+    """Every place the tokenizer puts the end-of-document id would end a document there (review helpers 174, 175: 10
+    files gave 40 documents, 3 gave 94 or 1,624). Refused: an ordinary vocabulary token or an added one that is not
+    special (prepare-data reads special tokens in the text as text, `encode_special_tokens`, and only those), the
+    unknown token (every character the vocabulary lacks), and one the tokenizer's template puts before the text (a
+    beginning-of-text token; one it puts after, `$A </s>`, is the end it should be, and is not doubled)."""
+    special = {t.content: t.special for t in tok.get_added_tokens_decoder().values()}
+    if not special.get(name, False):
+        kind = "an added token that is not special" if name in special else "an ordinary token of its vocabulary"
+        why = f"{kind} (id {eos_id}), which the text itself tokenizes to"
+    elif getattr(tok.model, "unk_token", None) == name:
+        why = f"the tokenizer's unknown token (id {eos_id}), which every character its vocabulary lacks becomes"
+    elif eos_id in tok.encode("a").ids[:-1]:
+        why = f"a token (id {eos_id}) the tokenizer's template puts before each text, as a beginning-of-text token"
+    else:
+        return
+    raise DataError(f"{what}: {why}, so each of them would end a document; expected a special token only the end "
+                    f"of a document produces (its special tokens: {_special_tokens(tok)})")
 
 
 def _special_tokens(tok: Tokenizer) -> str:
