@@ -100,8 +100,8 @@ def test_a_pointer_to_a_symbolic_link_says_runs_never_resolve_to_links(tmp_path)
         assert find_latest(tmp_path / "run") == step_dir(tmp_path / "run", 1)
 
 
-@pytest.mark.parametrize("text", ["../other-run/step-00000009", "/abs/step-00000009", "", "..", "."],
-                         ids=["relative path", "absolute path", "empty", "parent", "itself"])
+@pytest.mark.parametrize("text", ["../other-run/step-00000009", "/abs/step-00000009", "", "..", ".", "s" * 300],
+                         ids=["relative path", "absolute path", "empty", "parent", "itself", "300 characters"])
 def test_a_pointer_that_names_no_folder_inside_the_run_is_ignored_with_a_warning(tmp_path, text):
     """A pointer edited to a path (say into another run): 0.22.2 ignored it without a word, resolving to this run's
     newest checkpoint while the user believed it would take the one named (QA 153)."""

@@ -136,7 +136,16 @@ def an_explicit_all_to_all_is_installed_at_ep_1() -> dict:
     default, named = layers.MoELayer(), layers.MoELayer()
     apply_expert_parallel(default, groups)
     apply_expert_parallel(named, groups, transport=AllToAllDispatcher)
-    return {"default": type(default.dispatcher).__name__, "named": type(named.dispatcher).__name__}
+    refused = {}
+    for name, factory in (("None", lambda *a, **kw: None), ("no dispatch", lambda *a, **kw: object())):
+        model = layers.MoELayer()
+        try:
+            apply_expert_parallel(model, groups, transport=factory)
+            refused[name] = None
+        except TypeError as e:
+            refused[name] = (str(e), type(model.dispatcher).__name__)
+    return {"default": type(default.dispatcher).__name__, "named": type(named.dispatcher).__name__,
+            "refused": refused}
 
 
 CHECKS = (a_grad_set_by_hand_is_applied, finish_without_begin_backward_refuses_an_uncleared_step,

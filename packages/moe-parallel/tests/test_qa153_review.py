@@ -67,5 +67,16 @@ def test_flat_params_over_group_none_is_the_default_group(results):
 
 def test_transport_all_to_all_named_explicitly_is_installed_at_ep_1(results):
     for res in results:
-        assert _got(res, "an_explicit_all_to_all_is_installed_at_ep_1") == {"default": "LocalDispatcher",
-                                                                             "named": "AllToAllDispatcher"}
+        got = _got(res, "an_explicit_all_to_all_is_installed_at_ep_1")
+        assert (got["default"], got["named"]) == ("LocalDispatcher", "AllToAllDispatcher"), got
+
+
+@pytest.mark.parametrize("returned,built", [("None", "NoneType"), ("no dispatch", "object")])
+def test_a_transport_that_builds_no_dispatcher_is_refused_naming_it_before_any_layer_changes(results, returned, built):
+    """Review helper 176: None kept the local dispatcher silently; an object without dispatch failed at forward."""
+    for res in results:
+        got = _got(res, "an_explicit_all_to_all_is_installed_at_ep_1")["refused"][returned]
+        assert got is not None, f"transport returning {returned} was installed"
+        message, kept = got
+        assert f"built {built}, not a token dispatcher; expected an object with dispatch(x, route_map)" in message
+        assert "<lambda>" in message and kept == "LocalDispatcher", got

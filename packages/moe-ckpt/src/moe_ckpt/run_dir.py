@@ -92,8 +92,8 @@ def _pointer_text(root: Path) -> str | None:
 
 def _folder_in_run(root: Path, name: str | None) -> Path | None:
     """root/name when `name` names a folder directly inside the run (a save writes nothing else), else None."""
-    if not name or "/" in name or "\\" in name or name in (".", ".."):
-        return None
+    if not name or "/" in name or "\\" in name or name in (".", "..") or len(name.encode()) > 255:
+        return None  # over 255 bytes: no file system names a folder so (stat raised ENAMETOOLONG, helper 175)
     return root / name
 
 

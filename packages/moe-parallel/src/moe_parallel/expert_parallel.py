@@ -100,8 +100,17 @@ def apply_expert_parallel(
         # path); a transport the caller names is built at every ep, or it would be silently left out.
         # (AllToAllDispatcher named explicitly too: through 0.13.9 only another class counted as named, review
         # helper 176)
-        dispatchers.append((transport or AllToAllDispatcher)(groups.ep, e, capacity_factor, codec=codec)
-                           if ep > 1 or capacity_factor > 0 or transport is not None else None)
+        built = ((transport or AllToAllDispatcher)(groups.ep, e, capacity_factor, codec=codec)
+                 if ep > 1 or capacity_factor > 0 or transport is not None else None)
+        if transport is not None and not (callable(getattr(built, "dispatch", None))
+                                          and callable(getattr(built, "combine", None))):
+            # None kept the local dispatcher silently (at ep > 1 beside sliced experts); an object without dispatch
+            # failed at the first forward, naming neither the transport nor the layer (review helper 176)
+            raise TypeError(f"{layer_name}: transport={getattr(transport, '__qualname__', transport)!r} built "
+                            f"{type(built).__name__}, not a token dispatcher; expected an object with dispatch(x, "
+                            "route_map) and combine(expert_out, result, weights), as moe_kernels.TokenDispatcher "
+                            "describes (no layer was changed)")
+        dispatchers.append(built)
     shards: dict[str, ExpertShard] = {}
     for (layer_name, layer), dispatcher in zip(layers, dispatchers):
         layer.router.lb_group = groups.forward_group
