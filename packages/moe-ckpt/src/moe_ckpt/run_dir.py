@@ -123,8 +123,9 @@ def find_latest(root: str | Path) -> Path | None:
         text = None
     pointer = _folder_in_run(root, text)
     if text is not None and pointer is None:  # a save writes one folder name; this was written by hand
-        warnings.warn(f"{root / LATEST} holds {text!r}, not the name of a folder inside the run (a path, empty, '.' or "
-                      f"'..'; a run resolves only to its own checkpoints): ignored; {taken}", stacklevel=2)
+        warnings.warn(f"{root / LATEST} holds {text!r}, not the name of a folder inside the run (a path, empty, '.', "
+                      f"'..' or over 255 bytes; a run resolves only to its own checkpoints): ignored; {taken}",
+                      stacklevel=2)
     if pointer is not None and pointer not in found:
         if pointer.is_symlink():  # a save never makes one (list_checkpoints)
             why = f"a symbolic link, which runs never resolve to ({taken})"

@@ -158,9 +158,7 @@ class FlatParams:
                     "then FlatParams"
                 )
             if not flat.grads_bound:  # fp32 accumulation of a lower-precision gradient
-                with torch.no_grad():  # create_graph runs the hook in grad mode: the buffer stays out of the graph
-                    flat.grad_view(slot).add_(param.grad)
-                param.grad = None
+                flat.add_grad_into_buffer(slot)
             elif slot.numel and param.grad.data_ptr() != grad_ptr:
                 # autograd replaced the bound view out of place (backward(create_graph=True) sums view + new into a
                 # new tensor): the bind hook had .grad bound to the view before the accumulation, so the new tensor
@@ -233,9 +231,7 @@ class FlatParams:
             p = slot.param
             if not self.grads_bound:
                 if p.grad is not None:
-                    with torch.no_grad():
-                        self.grad_view(slot).add_(p.grad)
-                    p.grad = None
+                    self.add_grad_into_buffer(slot)
                     slot.has_grad = True
             elif slot.numel and (p.grad is None or p.grad.data_ptr() != base + slot.start * size):
                 view = self.grad_view(slot)
@@ -244,6 +240,13 @@ class FlatParams:
                         view.copy_(p.grad)
                     slot.has_grad = True
                 p.grad = view
+
+    def add_grad_into_buffer(self, slot: ParamSlot) -> None:
+        """Another grad_dtype: the parameter's .grad added into its buffer view, then set to None (the buffer holds the
+        sum so far). Outside autograd: create_graph runs the hooks in grad mode; the buffer stays out of the graph."""
+        with torch.no_grad():
+            self.grad_view(slot).add_(slot.param.grad)
+        slot.param.grad = None
 
     def require_in_buffer(self) -> None:
         """Raise naming the first parameter whose data is no longer its view of the flat buffer (rebound, reshaped or

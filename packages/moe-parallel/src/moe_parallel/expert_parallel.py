@@ -98,7 +98,7 @@ def apply_expert_parallel(
         codec = getattr(layer.dispatcher, "codec", None)
         # At ep = 1 the default transport would only add an exchange with itself (the layer keeps its fused local
         # path); a transport the caller names is built at every ep, or it would be silently left out.
-        # (AllToAllDispatcher named explicitly too: through 0.13.9 only another class counted as named, review
+        # (AllToAllDispatcher named explicitly too: through 0.13.8 only another class counted as named, review
         # helper 176)
         built = ((transport or AllToAllDispatcher)(groups.ep, e, capacity_factor, codec=codec)
                  if ep > 1 or capacity_factor > 0 or transport is not None else None)
